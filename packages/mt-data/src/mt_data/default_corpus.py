@@ -1,0 +1,185 @@
+"""The embedded default corpus: this Python's standard library, with a small BPE tokenizer.
+
+It lets `mt-train pretrain` run on a fresh machine with no network: the documents are the
+running interpreter's standard library `.py` files, the tokenizer is a byte-level BPE
+(vocabulary 4096 plus `<|endoftext|>`) shipped in `mt_data/assets/`, trained on those
+sources by `tools/train_default_tokenizer.py`.
+
+`default_corpus_dir()` builds the corpus once into a cache directory named after the
+Python version and a hash of the tokenizer and file list, in a temporary directory that
+is renamed when complete; a directory holding `manifest.json` is complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from mt_data.build import build_documents, corpus_manifest
+from mt_data.manifest import MANIFEST_NAME, write_manifest
+from mt_data.tokenizer import load_tokenizer
+
+__all__ = [
+    "EXCLUDED_DIRECTORIES",
+    "build_default_corpus",
+    "default_corpus_dir",
+    "default_document_paths",
+    "default_tokenizer_path",
+    "iter_default_documents",
+]
+
+_ASSETS = Path(__file__).parent / "assets"
+DEFAULT_SHARD_NAME = "stdlib"
+# Directories skipped anywhere below the standard library root: third-party code,
+# test suites (large and full of deliberately odd code), tools not worth learning, and
+# generated data rather than code: `encodings` (1.4 MB of codec tables) and `pydoc_data`
+# (one 0.76 MB file of help text, which alone kept one core busy for seconds). Dropping
+# those two cut the build on 2 cores from 8-17 s to about 6-12 s (the machine is shared).
+EXCLUDED_DIRECTORIES = frozenset(
+    {
+        "site-packages",
+        "dist-packages",
+        "test",
+        "tests",
+        "idlelib",
+        "lib2to3",
+        "turtledemo",
+        "encodings",
+        "pydoc_data",
+    }
+)
+
+
+def default_tokenizer_path() -> Path:
+    """The byte-level BPE tokenizer.json shipped with mt-data (EOS `<|endoftext|>`).
+
+    Its directory also holds a tokenizer_config.json naming the EOS token, so the
+    directory works as a tokenizer argument too.
+
+    Returns:
+        Path of the packaged tokenizer.json.
+    """
+    return _ASSETS / "tokenizer.json"
+
+
+def _stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def default_document_paths() -> list[Path]:
+    """The standard library `.py` files of the default corpus, sorted by relative path.
+
+    Returns:
+        Absolute paths, excluding `EXCLUDED_DIRECTORIES` at any depth.
+    """
+    root = _stdlib_root()
+    relative: list[str] = []
+    for directory, subdirectories, files in os.walk(root):
+        # Prune in place so os.walk never descends into site-packages or test suites.
+        subdirectories[:] = [d for d in subdirectories if d not in EXCLUDED_DIRECTORIES]
+        base = Path(directory).relative_to(root)
+        relative.extend((base / f).as_posix() for f in files if f.endswith(".py"))
+    return [root / r for r in sorted(relative)]
+
+
+def iter_default_documents() -> Iterator[str]:
+    """The default corpus's documents: one per standard library `.py` file.
+
+    Files are read in `default_document_paths()` order; files that do not decode as
+    UTF-8 (or cannot be read) are skipped.
+
+    Yields:
+        Each file's text.
+    """
+    for path in default_document_paths():
+        try:
+            yield path.read_bytes().decode("utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+
+
+def _corpus_key() -> str:
+    """Short hash of the tokenizer bytes and the (relative path, size) file list."""
+    digest = hashlib.sha256(default_tokenizer_path().read_bytes())
+    root = _stdlib_root()
+    for path in default_document_paths():
+        digest.update(f"\0{path.relative_to(root).as_posix()}\0{path.stat().st_size}".encode())
+    return digest.hexdigest()[:12]
+
+
+def build_default_corpus(output: str | Path, *, progress: bool = False) -> Path:
+    """Tokenize the default corpus into `output` (one shard plus manifest.json).
+
+    Args:
+        output: The corpus directory; created if missing. An existing corpus there is
+            overwritten shard by shard, each file atomically, the manifest last.
+        progress: Show a tqdm progress bar.
+
+    Returns:
+        The corpus directory.
+    """
+    out = Path(output).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_tokenizer(default_tokenizer_path())
+    shard = build_documents(
+        iter_default_documents(), tokenizer, out / DEFAULT_SHARD_NAME, progress=progress
+    )
+    shard.input = str(_stdlib_root())
+    manifest = corpus_manifest(
+        tokenizer,
+        [shard],
+        source="python-stdlib",
+        python_version=f"{sys.version_info.major}.{sys.version_info.minor}",
+    )
+    write_manifest(out, manifest)
+    return out
+
+
+def _cache_root(cache_dir: str | Path | None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get("MT_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "moetrain"
+
+
+def default_corpus_dir(cache_dir: str | Path | None = None) -> Path:
+    """The default corpus directory, built on first use (7-15 s on 2 cores) and cached.
+
+    The corpus lives in `<cache>/corpus/stdlib-py<major.minor>-<hash>`, where `<cache>` is
+    `cache_dir`, else `$MT_CACHE_DIR`, else `~/.cache/moetrain`, and the hash covers the
+    tokenizer and the file list. It is built in a temporary sibling directory and renamed
+    into place when complete, so a crashed or concurrent build never leaves a partial
+    corpus under the final name.
+
+    Args:
+        cache_dir: Root of the cache; None uses `$MT_CACHE_DIR` or `~/.cache/moetrain`.
+
+    Returns:
+        The corpus directory (holding `stdlib.bin`, `stdlib.idx`, `manifest.json`).
+    """
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    parent = _cache_root(cache_dir) / "corpus"
+    final = parent / f"stdlib-py{version}-{_corpus_key()}"
+    if (final / MANIFEST_NAME).is_file():
+        return final
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=parent))
+    try:
+        build_default_corpus(tmp)
+        if final.exists() and not (final / MANIFEST_NAME).is_file():
+            shutil.rmtree(final, ignore_errors=True)  # debris without a manifest: not a corpus
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / MANIFEST_NAME).is_file():  # not a concurrent winner: a real error
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final

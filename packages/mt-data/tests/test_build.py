@@ -1,0 +1,259 @@
+"""build_corpus: shards per input, resume, bad lines, compressed inputs, the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zstandard
+
+from mt_data import IndexedDataset, build_corpus
+from mt_data.build import CorpusError, build_documents
+from mt_data.cli import main
+from mt_data.default_corpus import default_tokenizer_path
+from mt_data.tokenizer import load_tokenizer
+
+
+def jsonl_bytes(texts: list[str], key: str = "text") -> bytes:
+    return "".join(json.dumps({key: t, "id": i}) + "\n" for i, t in enumerate(texts)).encode()
+
+
+def write_jsonl(path: Path, texts: list[str], key: str = "text") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(jsonl_bytes(texts, key))
+    return path
+
+
+TEXTS_A = ["def f(x):\n    return x + 1\n", "héllo wörld 🎉", "import os\n" * 20]
+TEXTS_B = ["class A:\n    pass\n", "x = [1, 2, 3]"]
+
+
+def _build(inputs, output, **kwargs):
+    return build_corpus(inputs, default_tokenizer_path(), output, progress=False, **kwargs)
+
+
+def test_each_input_becomes_one_shard_of_its_documents_in_order_with_eos(tmp_path, tokenizer):
+    a = write_jsonl(tmp_path / "in" / "a.jsonl", TEXTS_A)
+    b = write_jsonl(tmp_path / "in" / "b.jsonl", TEXTS_B)
+    summary = _build([a, b], tmp_path / "out")
+    assert [s.name for s in summary.shards] == ["a", "b"]
+    for name, texts in (("a", TEXTS_A), ("b", TEXTS_B)):
+        shard = IndexedDataset(tmp_path / "out" / name)
+        assert shard.dtype == np.uint16
+        assert len(shard) == len(texts)
+        for i, text in enumerate(texts):
+            expected = tokenizer.tokenizer.encode(text, add_special_tokens=False).ids
+            assert shard[i].tolist() == [*expected, tokenizer.eos_id]
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["vocab_size"] == 4096
+    assert manifest["dtype"] == "uint16"
+    assert manifest["eos_id"] == tokenizer.eos_id
+    assert manifest["format_version"] == 1
+    assert manifest["inputs"] == [str(a), str(b)]
+    assert manifest["num_documents"] == summary.num_documents == 5
+    assert manifest["num_tokens"] == summary.num_tokens
+
+
+def test_rebuild_is_byte_identical(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", TEXTS_A * 50)
+    _build([a], tmp_path / "one")
+    _build([a], tmp_path / "two")
+    for name in ("a.bin", "a.idx", "manifest.json"):
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
+
+
+def test_rerun_skips_finished_shards_and_rebuilds_unfinished_ones(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", TEXTS_A)
+    b = write_jsonl(tmp_path / "b.jsonl", TEXTS_B)
+    out = tmp_path / "out"
+    _build([a, b], out)
+    a_idx_inode = (out / "a.idx").stat().st_ino
+    b_bin = (out / "b.bin").read_bytes()
+    # Simulate a crash while writing b: its final files are gone, temporaries remain.
+    os.replace(out / "b.bin", out / "b.bin.tmp")
+    os.replace(out / "b.idx", out / "b.idx.tmp")
+    (out / "manifest.json").unlink()
+
+    summary = _build([a, b], out)
+    assert [s.resumed for s in summary.shards] == [True, False]
+    assert (out / "a.idx").stat().st_ino == a_idx_inode
+    assert (out / "b.bin").read_bytes() == b_bin
+    assert not list(out.glob("*.tmp"))
+    assert summary.num_documents == len(TEXTS_A) + len(TEXTS_B)
+    assert json.loads((out / "manifest.json").read_text())["shards"][0]["documents"] == 3
+
+
+def test_a_truncated_final_shard_is_rebuilt_not_skipped(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", TEXTS_A)
+    out = tmp_path / "out"
+    _build([a], out)
+    good = (out / "a.bin").read_bytes()
+    (out / "a.bin").write_bytes(good[:-4])
+    summary = _build([a], out)
+    assert not summary.shards[0].resumed
+    assert (out / "a.bin").read_bytes() == good
+
+
+def test_output_built_with_another_tokenizer_is_refused(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", TEXTS_A)
+    _build([a], tmp_path / "out")
+    other = tmp_path / "other" / "tokenizer.json"
+    other.parent.mkdir()
+    other.write_bytes(default_tokenizer_path().read_bytes() + b"\n")
+    with pytest.raises(ValueError, match="choose a new output directory"):
+        build_corpus([a], other, tmp_path / "out", progress=False)
+
+
+BAD_LINES = [
+    b'{"text": "good one"}\n',  # 1
+    b'{"text": "unterminated\n',  # 2 malformed JSON
+    b'{"body": "no text key"}\n',  # 3 missing field
+    b'{"text": 42}\n',  # 4 not a string
+    b'{"text": "bad \xff\xfe utf8"}\n',  # 5 invalid UTF-8
+    b'{"text": ""}\n',  # 6 empty document: counted, not a bad line
+    b"\n",  # 7 blank: ignored
+    b'["text"]\n',  # 8 not an object
+    b'{"text": "lone \\ud800 surrogate"}\n',  # 9 not encodable text
+    b'{"text": "good two"}\n',  # 10
+]
+
+
+def test_skip_mode_counts_bad_lines_and_reports_file_and_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b"".join(BAD_LINES))
+    summary = _build([path], tmp_path / "out")
+    assert summary.num_documents == 2
+    assert summary.num_empty_documents == 1
+    assert summary.num_bad_lines == 6
+    assert [str(b).split(": ")[0] for b in summary.bad_lines] == [
+        f"{path}:{n}" for n in (2, 3, 4, 5, 8, 9)
+    ]
+    reasons = " | ".join(b.reason for b in summary.bad_lines)
+    for word in ("malformed JSON", "no 'text' field", "not a string", "UTF-8", "JSON object"):
+        assert word in reasons
+
+
+def test_fail_mode_raises_at_the_first_bad_line_and_leaves_no_shard(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b"".join(BAD_LINES))
+    with pytest.raises(CorpusError, match=rf"{path}:2: malformed JSON"):
+        _build([path], tmp_path / "out", on_error="fail")
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_cli_fail_mode_exits_2_naming_file_and_line_without_traceback(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b"".join(BAD_LINES))
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mt_data",
+            "build",
+            str(path),
+            "--tokenizer",
+            str(default_tokenizer_path()),
+            "--output",
+            str(tmp_path / "out"),
+            "--on-error",
+            "fail",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2
+    assert f"{path}:2: malformed JSON" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_cli_skip_mode_prints_skipped_lines_and_succeeds(tmp_path, capsys):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b"".join(BAD_LINES))
+    status = main(
+        [
+            "build",
+            str(path),
+            "--tokenizer",
+            str(default_tokenizer_path().parent),
+            "--output",
+            str(tmp_path / "out"),
+            "--no-progress",
+        ]
+    )
+    captured = capsys.readouterr()
+    assert status == 0
+    assert f"skipped {path}:3: no 'text' field" in captured.err
+    assert "2 documents" in captured.out and "6 bad lines" in captured.out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["build", "missing.jsonl", "--tokenizer", str(default_tokenizer_path()), "--output", "o"],
+        ["build", "data/*.jsonl", "--tokenizer", str(default_tokenizer_path()), "--output", "o"],
+        ["build", "x.jsonl", "--tokenizer", "no/such/tokenizer.json", "--output", "o"],
+    ],
+    ids=["missing-file", "empty-glob", "missing-tokenizer"],
+)
+def test_cli_user_mistakes_exit_2_with_a_message(tmp_path, capsys, monkeypatch, argv):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "x.jsonl").write_text('{"text": "a"}\n')
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and "Traceback" not in err
+
+
+def test_zstd_inputs_with_several_frames_read_like_plain_jsonl(tmp_path):
+    texts = [f"document number {i}\n" * (i % 7 + 1) for i in range(40)]
+    write_jsonl(tmp_path / "plain" / "c.jsonl", texts)
+    compressor = zstandard.ZstdCompressor()
+    half = jsonl_bytes(texts[:25]), jsonl_bytes(texts[25:])
+    frames = compressor.compress(half[0]) + compressor.compress(half[1])
+    (tmp_path / "zst").mkdir()
+    (tmp_path / "zst" / "c.jsonl.zst").write_bytes(frames)
+    (tmp_path / "zstd").mkdir()
+    (tmp_path / "zstd" / "c.jsonl.zstd").write_bytes(compressor.compress(half[0] + half[1]))
+    for kind in ("plain", "zst", "zstd"):
+        _build([tmp_path / kind], tmp_path / f"out-{kind}")
+    plain = (tmp_path / "out-plain" / "c.bin").read_bytes()
+    assert len(IndexedDataset(tmp_path / "out-plain" / "c")) == 40
+    assert (tmp_path / "out-zst" / "c.bin").read_bytes() == plain
+    assert (tmp_path / "out-zstd" / "c.bin").read_bytes() == plain
+
+
+def test_directories_and_globs_expand_and_same_stems_get_unique_names(tmp_path):
+    write_jsonl(tmp_path / "d1" / "part.jsonl", ["one"])
+    write_jsonl(tmp_path / "d2" / "part.jsonl", ["two"])
+    write_jsonl(tmp_path / "d2" / "other.jsonl", ["three"])
+    (tmp_path / "d2" / "notes.txt").write_text("ignored")
+    summary = _build([tmp_path / "d1", str(tmp_path / "d2" / "*.jsonl")], tmp_path / "out")
+    names = [s.name for s in summary.shards]
+    assert len(set(names)) == 3
+    assert names[1] == "other"  # glob matches sorted: other.jsonl, then part.jsonl
+    assert names[0].startswith("part-") and names[2].startswith("part-")
+    assert summary.num_documents == 3
+
+
+def test_build_documents_writes_one_shard_and_skips_empty_documents(tmp_path, tokenizer):
+    summary = build_documents(["a b", "", "c"], tokenizer, tmp_path / "docs")
+    assert (summary.documents, summary.empty_documents) == (2, 1)
+    shard = IndexedDataset(tmp_path / "docs")
+    assert all(shard[i][-1] == tokenizer.eos_id for i in range(len(shard)))
+
+
+def test_eos_falls_back_to_a_known_token_without_tokenizer_config(tmp_path):
+    bare = tmp_path / "bare" / "tokenizer.json"
+    bare.parent.mkdir()
+    bare.write_bytes(default_tokenizer_path().read_bytes())
+    assert load_tokenizer(bare).eos_token == "<|endoftext|>"
+    config = bare.parent / "tokenizer_config.json"
+    config.write_text('{"eos_token": {"content": "<|endoftext|>"}}')
+    assert load_tokenizer(bare.parent).eos_id == 0
+    config.write_text('{"eos_token": "<missing>"}')
+    with pytest.raises(ValueError, match="'<missing>'.*not in the vocabulary"):
+        load_tokenizer(bare)

@@ -1,0 +1,157 @@
+"""TokenDataset: packing across shards, per-epoch shuffle, rank slices, exact resume."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from mt_data import DataExhausted, IndexedDatasetWriter, TokenDataset
+
+SEQ_LEN = 8
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    """Three shards (one empty) of documents ending in EOS=0, plus their naive concatenation."""
+    rng = np.random.default_rng(1)
+    stream = []
+    shard_docs = [
+        [rng.integers(1, 60000, size=n) for n in (5, 1, 13)],
+        [],
+        [rng.integers(1, 60000, size=n) for n in (3, 30, 2, 9, 11)],
+    ]
+    for name, docs in zip(("a", "b", "c"), shard_docs, strict=True):
+        with IndexedDatasetWriter(tmp_path / name, np.uint16) as writer:
+            for doc in docs:
+                tokens = np.append(doc, 0)
+                writer.add_document(tokens)
+                stream.extend(tokens.tolist())
+    return tmp_path, np.array(stream, dtype=np.int64)
+
+
+def test_samples_match_a_naive_concatenation_across_shard_boundaries(corpus):
+    data_dir, stream = corpus
+    dataset = TokenDataset(data_dir, SEQ_LEN)
+    assert dataset.num_tokens == len(stream) == 82
+    assert dataset.num_samples == len(dataset) == (len(stream) - 1) // SEQ_LEN
+    for j in range(dataset.num_samples):
+        sample = dataset.sample(j)
+        assert sample.dtype == np.int64 and sample.shape == (SEQ_LEN + 1,)
+        np.testing.assert_array_equal(sample, stream[j * SEQ_LEN : j * SEQ_LEN + SEQ_LEN + 1])
+    with pytest.raises(IndexError):
+        dataset.sample(dataset.num_samples)
+
+
+def test_shards_are_memory_mapped_not_loaded(corpus):
+    dataset = TokenDataset(corpus[0], SEQ_LEN)
+    assert all(isinstance(shard.tokens, np.memmap) for shard in dataset.shards if shard.num_tokens)
+
+
+def test_shuffle_covers_each_sample_exactly_once_per_epoch(corpus):
+    dataset = TokenDataset(corpus[0], SEQ_LEN, seed=3)
+    n = dataset.num_samples
+    for epoch in range(3):
+        order = dataset.permutation(epoch)
+        assert sorted(order.tolist()) == list(range(n))
+        expected = np.random.default_rng([3, epoch]).permutation(n)
+        np.testing.assert_array_equal(order, expected)
+        batch = dataset.take(n)
+        rows = {tuple(r) for r in batch.tolist()}
+        assert rows == {tuple(dataset.sample(j).tolist()) for j in range(n)}
+        assert dataset.epoch == epoch + 1
+    assert not np.array_equal(dataset.permutation(0), dataset.permutation(1))
+
+
+def test_take_rank_slices_tile_the_global_batch(corpus):
+    world_size, global_batch = 2, 4
+    single = TokenDataset(corpus[0], SEQ_LEN, seed=7)
+    ranks = [TokenDataset(corpus[0], SEQ_LEN, seed=7) for _ in range(world_size)]
+    for _ in range(5):  # 20 samples: crosses into the second epoch (10 per epoch)
+        full = single.take(global_batch)
+        parts = [d.take(global_batch, rank=r, world_size=world_size) for r, d in enumerate(ranks)]
+        assert all(p.shape == (global_batch // world_size, SEQ_LEN + 1) for p in parts)
+        np.testing.assert_array_equal(np.concatenate(parts), full)
+    assert all(d.consumed_samples == single.consumed_samples == 20 for d in ranks)
+
+
+def test_repeat_continues_into_the_next_epochs_permutation_mid_batch(corpus):
+    dataset = TokenDataset(corpus[0], SEQ_LEN, seed=5)
+    n = dataset.num_samples
+    dataset.take(n - 2)
+    batch = dataset.take(4)
+    expected = [
+        dataset.permutation(0)[n - 2],
+        dataset.permutation(0)[n - 1],
+        dataset.permutation(1)[0],
+        dataset.permutation(1)[1],
+    ]
+    np.testing.assert_array_equal(batch, np.stack([dataset.sample(int(j)) for j in expected]))
+    assert dataset.epoch == 1
+
+
+def test_take_resumes_exactly_from_state(corpus):
+    uninterrupted = TokenDataset(corpus[0], SEQ_LEN, seed=11)
+    batches = [uninterrupted.take(6, rank=1, world_size=2) for _ in range(7)]
+
+    first = TokenDataset(corpus[0], SEQ_LEN, seed=11)
+    for _ in range(3):
+        first.take(6, rank=1, world_size=2)
+    state = json.loads(json.dumps(first.state_dict()))  # as a checkpoint would store it
+    assert state == {"consumed_samples": 18, "seed": 11, "seq_len": SEQ_LEN, "num_samples": 10}
+
+    resumed = TokenDataset(corpus[0], SEQ_LEN, seed=999)  # the state's seed wins
+    resumed.load_state_dict(state)
+    for expected in batches[3:]:
+        np.testing.assert_array_equal(resumed.take(6, rank=1, world_size=2), expected)
+
+
+def test_stop_raises_data_exhausted_before_consuming(corpus):
+    dataset = TokenDataset(corpus[0], SEQ_LEN, on_exhausted="stop")
+    dataset.take(8)
+    with pytest.raises(DataExhausted, match="2 of 10 samples left"):
+        dataset.take(4)
+    assert dataset.consumed_samples == 8
+    assert dataset.take(2).shape == (2, SEQ_LEN + 1)
+    with pytest.raises(DataExhausted):
+        dataset.take(1)
+
+
+def test_take_rejects_a_world_size_that_does_not_divide_the_batch(corpus):
+    dataset = TokenDataset(corpus[0], SEQ_LEN)
+    with pytest.raises(ValueError, match=r"world_size \(3\) must divide global_batch_size \(4\)"):
+        dataset.take(4, world_size=3)
+    with pytest.raises(ValueError, match="rank"):
+        dataset.take(4, rank=2, world_size=2)
+    assert dataset.consumed_samples == 0
+
+
+def test_load_state_dict_rejects_another_seq_len_or_corpus(corpus):
+    state = TokenDataset(corpus[0], SEQ_LEN).state_dict()
+    with pytest.raises(ValueError, match="resume with seq_len=8"):
+        TokenDataset(corpus[0], 4).load_state_dict(state)
+    with pytest.raises(ValueError, match="the corpus changed"):
+        TokenDataset(corpus[0], SEQ_LEN).load_state_dict({**state, "num_samples": 11})
+    with pytest.raises(ValueError, match="lacks"):
+        TokenDataset(corpus[0], SEQ_LEN).load_state_dict({"seed": 0})
+
+
+def test_directory_without_shards_or_tokens_is_an_error_naming_it(tmp_path):
+    with pytest.raises(ValueError, match=f"{tmp_path} holds no shards"):
+        TokenDataset(tmp_path, 8)
+    (tmp_path / "leftover.idx.tmp").write_bytes(b"")
+    with pytest.raises(ValueError, match="holds no shards"):
+        TokenDataset(tmp_path, 8)
+    with IndexedDatasetWriter(tmp_path / "tiny", np.uint16) as writer:
+        writer.add_document([1, 2, 0])
+    with pytest.raises(ValueError, match="too few for one sample"):
+        TokenDataset(tmp_path, 8)
+
+
+def test_vocab_size_and_eos_come_from_the_manifest(corpus):
+    data_dir, _ = corpus
+    assert TokenDataset(data_dir, SEQ_LEN).vocab_size is None
+    (data_dir / "manifest.json").write_text(json.dumps({"vocab_size": 60001, "eos_id": 0}))
+    dataset = TokenDataset(data_dir, SEQ_LEN)
+    assert (dataset.vocab_size, dataset.eos_id) == (60001, 0)

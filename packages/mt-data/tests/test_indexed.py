@@ -1,0 +1,112 @@
+"""Megatron indexed format: header bytes, round trip, dtype choice, crash safety."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+
+from mt_data import IndexedDataset, IndexedDatasetWriter, token_dtype
+
+
+def test_token_dtype_is_uint16_below_65500_and_int32_from_it():
+    assert token_dtype(4096) == np.uint16
+    assert token_dtype(65499) == np.uint16
+    assert token_dtype(65500) == np.int32
+    assert token_dtype(151_936) == np.int32
+    with pytest.raises(ValueError, match="vocab_size"):
+        token_dtype(0)
+
+
+def test_writer_output_has_megatron_header_and_document_index_starting_at_zero(tmp_path):
+    docs = [[5, 6, 7], [], [65535, 0]]
+    with IndexedDatasetWriter(tmp_path / "shard", np.uint16) as writer:
+        for doc in docs:
+            writer.add_document(doc)
+    idx = (tmp_path / "shard.idx").read_bytes()
+    assert idx[:9] == b"MMIDIDX\x00\x00"
+    version, code, num_sequences, num_doc_indices = struct.unpack("<QBQQ", idx[9:34])
+    assert (version, code, num_sequences, num_doc_indices) == (1, 8, 3, 4)
+    lengths = np.frombuffer(idx, np.int32, 3, offset=34)
+    pointers = np.frombuffer(idx, np.int64, 3, offset=34 + 12)
+    doc_idx = np.frombuffer(idx, np.int64, 4, offset=34 + 36)
+    assert lengths.tolist() == [3, 0, 2]
+    assert pointers.tolist() == [0, 6, 6]  # bytes, uint16
+    assert doc_idx.tolist() == [0, 1, 2, 3]
+    assert len(idx) == 34 + 36 + 32
+    assert (tmp_path / "shard.bin").read_bytes() == np.array([5, 6, 7, 65535, 0], "<u2").tobytes()
+
+
+@pytest.mark.parametrize("vocab_size", [4096, 200_000])
+def test_reader_returns_what_the_writer_wrote(tmp_path, vocab_size):
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, vocab_size, size=n) for n in (1, 17, 0, 300)]
+    with IndexedDatasetWriter(tmp_path / "s", token_dtype(vocab_size)) as writer:
+        for doc in docs:
+            writer.add_document(doc)
+    dataset = IndexedDataset(tmp_path / "s")
+    assert dataset.dtype == token_dtype(vocab_size)
+    assert len(dataset) == 4
+    assert dataset.num_tokens == 318
+    assert dataset.document_indices.tolist() == [0, 1, 2, 3, 4]
+    assert dataset.sequence_lengths.tolist() == [1, 17, 0, 300]
+    for i, doc in enumerate(docs):
+        np.testing.assert_array_equal(dataset[i], doc)
+    np.testing.assert_array_equal(dataset[-1], docs[-1])
+    with pytest.raises(IndexError):
+        dataset[4]
+
+
+def test_writer_deletes_temporaries_when_an_exception_escapes(tmp_path):
+    with pytest.raises(RuntimeError), IndexedDatasetWriter(tmp_path / "s", np.uint16) as w:
+        w.add_document([1, 2, 3])
+        raise RuntimeError("crash mid-shard")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_unfinished_writer_leaves_only_tmp_files(tmp_path):
+    writer = IndexedDatasetWriter(tmp_path / "s", np.uint16)
+    writer.add_document([1, 2])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.bin.tmp"]
+    writer.finalize()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.bin", "s.idx"]
+
+
+def test_writer_rejects_token_ids_that_do_not_fit_the_dtype(tmp_path):
+    with IndexedDatasetWriter(tmp_path / "s", np.uint16) as writer:
+        with pytest.raises(ValueError, match="do not fit uint16"):
+            writer.add_document([1, 70_000])
+        writer.add_document([1])
+    with pytest.raises(ValueError, match="no code in Megatron"):
+        IndexedDatasetWriter(tmp_path / "t", np.uint32)
+
+
+def _write(tmp_path):
+    with IndexedDatasetWriter(tmp_path / "s", np.uint16) as writer:
+        writer.add_document([1, 2, 3, 4])
+    return tmp_path / "s.idx", tmp_path / "s.bin"
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "message"),
+    [
+        (lambda idx, b: idx.write_bytes(b"NOTMEGA!!" + idx.read_bytes()[9:]), "magic"),
+        (
+            lambda idx, b: idx.write_bytes(
+                idx.read_bytes()[:9] + struct.pack("<Q", 2) + idx.read_bytes()[17:]
+            ),
+            "version 2",
+        ),
+        (lambda idx, b: idx.write_bytes(idx.read_bytes()[:-8]), "truncated"),
+        (lambda idx, b: idx.write_bytes(idx.read_bytes()[:20]), "truncated"),
+        (lambda idx, b: b.write_bytes(b.read_bytes()[:-2]), "truncated"),
+    ],
+    ids=["magic", "version", "idx-short", "header-short", "bin-short"],
+)
+def test_reader_error_names_the_file_and_the_problem(tmp_path, corrupt, message):
+    idx, bin_ = _write(tmp_path)
+    corrupt(idx, bin_)
+    with pytest.raises(ValueError, match=message) as excinfo:
+        IndexedDataset(tmp_path / "s")
+    assert str(tmp_path / "s.") in str(excinfo.value)

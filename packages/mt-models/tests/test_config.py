@@ -1,0 +1,71 @@
+"""Config validation, presets, registry and the FLOP count."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from mt_models import MODEL_FAMILIES, Qwen3MoeConfig, Qwen3MoeForCausalLM, build_model
+from mt_models.qwen3_moe import debug, qwen3_30b_a3b, qwen3_235b_a22b
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"num_key_value_heads": 3}, "must divide num_attention_heads"),
+        ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
+        ({"mlp_only_layers": (4,)}, "mlp_only_layers"),
+        ({"head_dim": 31}, "head_dim"),
+        ({"hidden_size": 0}, "hidden_size"),
+    ],
+)
+def test_config_rejects_invalid_values_naming_them(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(debug(), **overrides)
+
+
+@pytest.mark.parametrize(
+    ("preset", "total", "active"),
+    [(qwen3_30b_a3b, 30.5e9, 3.3e9), (qwen3_235b_a22b, 235.1e9, 22.2e9)],
+)
+def test_presets_have_the_published_parameter_counts(preset, total, active):
+    config = preset()
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(config)
+    num_params = sum(p.numel() for p in model.parameters())
+    expert_params = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    num_active = num_params - expert_params * (1 - 8 / 128)
+    assert abs(num_params - total) / total < 0.01
+    assert abs(num_active - active) / active < 0.03
+
+
+def test_registry_builds_the_family_of_the_config():
+    assert MODEL_FAMILIES["qwen3_moe"] == (Qwen3MoeConfig, Qwen3MoeForCausalLM)
+    with torch.device("meta"):
+        assert isinstance(build_model(debug()), Qwen3MoeForCausalLM)
+    with pytest.raises(ValueError, match="no model family"):
+        build_model(object())
+
+
+def test_flops_per_token_of_debug_config_matches_hand_count():
+    model = Qwen3MoeForCausalLM(debug())
+    seq_len = 64
+    attn_proj = 2 * 128 * 32 * (4 + 2 + 2 + 4)  # q, k, v, o
+    scores = 2 * 4 * (32 + 32) * seq_len / 2
+    router = 2 * 128 * 8
+    experts = 2 * 3 * 2 * 128 * 96  # top-2 of gate, up, down
+    head = 2 * 128 * 4096
+    expected = 3 * (4 * (attn_proj + scores + router + experts) + head)
+    assert model.flops_per_token(seq_len) == pytest.approx(expected)
+
+
+def test_flops_per_token_is_six_times_active_matmul_params_plus_attention():
+    model = Qwen3MoeForCausalLM(dataclasses.replace(debug(), mlp_only_layers=(1,)))
+    active = 0
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight") or "embed_tokens" in name:
+            continue
+        active += p.numel() * (2 / 8 if ".experts." in name else 1)
+    attention = 3 * 4 * 2 * 4 * 64 * 100 / 2
+    assert model.flops_per_token(100) == pytest.approx(6 * active + attention)
+    assert model.flops_per_token(100) > 0

@@ -1,0 +1,85 @@
+"""model.loss: summed CE via the chunked op, token count, load-balancing loss; training."""
+
+import torch
+import torch.nn.functional as F
+
+from mt_models import LossOutput, RouterStats
+from mt_models.layers import load_balancing_loss
+
+
+def _batch(seed=0, vocab=4096):
+    gen = torch.Generator().manual_seed(seed)
+    input_ids_BS = torch.randint(0, vocab, (2, 24), generator=gen)
+    labels_BS = torch.roll(input_ids_BS, -1, dims=1)
+    labels_BS[:, -1] = -100
+    labels_BS[0, :5] = -100
+    return input_ids_BS, labels_BS
+
+
+def test_loss_matches_cross_entropy_sum_of_logits_and_ignores_minus_100(build_debug_model):
+    model = build_debug_model()
+    input_ids_BS, labels_BS = _batch()
+    out = model.loss(input_ids_BS, labels_BS)
+    assert isinstance(out, LossOutput)
+    logits_BSV = model(input_ids_BS)
+    assert logits_BSV.shape == (2, 24, 4096)
+    expected = F.cross_entropy(
+        logits_BSV.reshape(-1, 4096).float(), labels_BS.reshape(-1), reduction="sum"
+    )
+    torch.testing.assert_close(out.ce_sum, expected, rtol=1e-5, atol=1e-4)
+    assert out.ce_sum.dtype == torch.float32
+    assert out.num_tokens.dtype == torch.int64 and int(out.num_tokens) == 2 * 23 - 5
+
+
+def test_aux_loss_is_nonnegative_and_its_gradient_reaches_the_router(build_debug_model):
+    model = build_debug_model()
+    out = model.loss(*_batch(1))
+    assert out.aux_loss.dtype == torch.float32 and float(out.aux_loss.detach()) >= 0
+    assert len(out.router_stats) == 4
+    out.aux_loss.backward()
+    for layer in model.model.layers:
+        assert layer.mlp.gate.weight.grad.abs().sum() > 0
+    # The last layer's experts feed no later router, so the aux loss cannot reach them.
+    assert model.model.layers[-1].mlp.experts.gate_proj.grad is None
+
+
+def test_load_balancing_loss_equals_hugging_face_formula(build_debug_model):
+    model = build_debug_model()
+    layer = model.model.layers[0]
+    routed = layer.attend(model.model.embed_tokens(_batch(2)[0]))
+    probs_TE = torch.softmax(F.linear(routed.hidden_TD, layer.mlp.gate.weight), dim=-1)
+    mask_TKE = F.one_hot(routed.topk_ids_TK, 8).float()
+    # transformers' load_balancing_loss_func for one layer: E · Σ mean(mask) · mean(probs).
+    expected = 8 * (mask_TKE.mean(0) * probs_TE.mean(0)[None]).sum()
+    torch.testing.assert_close(load_balancing_loss(routed.router_stats), expected)
+    assert int(routed.router_stats.tokens_per_expert_E.sum()) == 48 * 2
+
+
+def test_router_stats_of_two_halves_sum_to_the_stats_of_the_whole(build_debug_model):
+    """What a cross-rank all-reduce of the statistics relies on."""
+    router = build_debug_model().model.layers[0].mlp.gate
+    hidden_TD = torch.randn(40, 128)
+    whole = router(hidden_TD).stats
+    first, second = router(hidden_TD[:17]).stats, router(hidden_TD[17:]).stats
+    summed = RouterStats(
+        tokens_per_expert_E=first.tokens_per_expert_E + second.tokens_per_expert_E,
+        prob_sum_E=first.prob_sum_E + second.prob_sum_E,
+        num_tokens=first.num_tokens + second.num_tokens,
+    )
+    torch.testing.assert_close(load_balancing_loss(summed), load_balancing_loss(whole))
+
+
+def test_a_few_adamw_steps_lower_the_loss_on_a_fixed_batch(build_debug_model):
+    torch.manual_seed(0)
+    model = build_debug_model()
+    input_ids_BS, labels_BS = _batch(3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(6):
+        out = model.loss(input_ids_BS, labels_BS)
+        loss = out.ce_sum / out.num_tokens + out.aux_loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.5, losses

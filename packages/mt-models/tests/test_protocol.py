@@ -1,0 +1,79 @@
+"""The five phases composed by hand equal forward(). Legend: B, S, T, D, E, K, R."""
+
+import torch
+
+from mt_models import Dispatcher, LayerOutput, LocalDispatcher, MoEDecoderLayer, Routed
+
+
+def _input(dim, seed=0):
+    return torch.randn(2, 13, dim, generator=torch.Generator().manual_seed(seed))
+
+
+def test_phases_composed_by_hand_equal_forward_for_moe_layer(build_debug_model):
+    model = build_debug_model()
+    layer = model.model.layers[0]
+    assert isinstance(layer.dispatcher, LocalDispatcher)
+    x_BSD = _input(128)
+
+    routed = layer.attend(x_BSD)
+    tokens_RD, tokens_per_expert_E, handle = layer.dispatcher.dispatch(routed)
+    expert_out_RD = layer.experts(tokens_RD, tokens_per_expert_E)
+    expert_out_TD = layer.dispatcher.combine(expert_out_RD, handle)
+    by_hand_BSD = layer.aggregate(expert_out_TD, routed)
+
+    out = layer(x_BSD)
+    assert isinstance(out, LayerOutput)
+    assert torch.equal(by_hand_BSD, out.hidden_BSD)
+    assert torch.equal(routed.router_stats.prob_sum_E, out.router_stats.prob_sum_E)
+    assert tokens_RD.shape == (2 * 13 * 2, 128) and int(tokens_per_expert_E.sum()) == 52
+
+
+def test_phases_composed_by_hand_equal_forward_for_dense_layer(build_debug_model):
+    model = build_debug_model(mlp_only_layers=(1,))
+    layer = model.model.layers[1]
+    assert layer.dispatcher is None
+    x_BSD = _input(128, seed=1)
+
+    routed = layer.attend(x_BSD)
+    assert routed.topk_ids_TK is None and routed.topk_weights_TK is None
+    assert routed.router_stats is None
+    by_hand_BSD = layer.aggregate(layer.experts(routed.hidden_TD, None), routed)
+
+    out = layer(x_BSD)
+    assert torch.equal(by_hand_BSD, out.hidden_BSD)
+    assert out.router_stats is None
+
+
+def test_layers_and_dispatcher_satisfy_the_protocols(build_debug_model):
+    layer = build_debug_model().model.layers[0]
+    assert isinstance(layer, MoEDecoderLayer)
+    assert isinstance(layer.dispatcher, Dispatcher)
+
+
+def test_moe_layer_equals_per_token_loop_over_chosen_experts(build_debug_model):
+    """Hugging Face semantics: out = h + Σ_k w_k · expert_{id_k}(norm(h))."""
+    layer = build_debug_model().model.layers[0]
+    x_BSD = _input(128, seed=2)
+    routed: Routed = layer.attend(x_BSD)
+    experts = layer.mlp.experts
+    rows = []
+    for t in range(routed.hidden_TD.shape[0]):
+        h_D = routed.hidden_TD[t]
+        acc_D = torch.zeros(128)
+        for k in range(2):
+            e = int(routed.topk_ids_TK[t, k])
+            act_F = torch.nn.functional.silu(experts.gate_proj[e] @ h_D) * (
+                experts.up_proj[e] @ h_D
+            )
+            acc_D = acc_D + routed.topk_weights_TK[t, k] * (experts.down_proj[e] @ act_F)
+        rows.append(routed.residual_TD[t] + acc_D)
+    expected_BSD = torch.stack(rows).view(2, 13, 128)
+    torch.testing.assert_close(layer(x_BSD).hidden_BSD, expected_BSD, rtol=1e-5, atol=1e-5)
+
+
+def test_router_weights_sum_to_one_with_norm_topk_prob(build_debug_model):
+    layer = build_debug_model().model.layers[2]
+    routed = layer.attend(_input(128, seed=3))
+    sums_T = routed.topk_weights_TK.sum(-1)
+    torch.testing.assert_close(sums_T, torch.ones_like(sums_T))
+    assert routed.topk_weights_TK.dtype == torch.float32

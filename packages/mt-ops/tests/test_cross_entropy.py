@@ -1,0 +1,74 @@
+"""Chunked linear cross-entropy. Legend: T tokens, D model dim, V vocabulary."""
+
+import pytest
+import torch
+
+import mt_ops.cross_entropy as ce_module
+from mt_ops import linear_cross_entropy, linear_cross_entropy_reference
+
+IGNORE = -100
+
+
+def _inputs(num_tokens, dim, vocab, dtype, ignore_every=5, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    hidden_TD = torch.randn(num_tokens, dim, generator=gen).to(dtype)
+    weight_VD = (torch.randn(vocab, dim, generator=gen) / dim**0.5).to(dtype)
+    labels_T = torch.randint(0, vocab, (num_tokens,), generator=gen)
+    labels_T[::ignore_every] = IGNORE
+    return hidden_TD, weight_VD, labels_T
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Forces 10-token chunks for V = 131 so the last chunk is ragged."""
+    monkeypatch.setattr(ce_module, "_CHUNK_LOGITS_ELEMENTS", 131 * 10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [0, 1, 103])
+def test_chunked_linear_cross_entropy_matches_reference_in_value_and_gradients(
+    num_tokens, dtype, small_chunks, assert_close, run_with_grads
+):
+    hidden_TD, weight_VD, labels_T = _inputs(num_tokens, 77, 131, dtype)
+    fn = lambda h, w: linear_cross_entropy(h, w, labels_T)
+    ref_fn = lambda h, w: linear_cross_entropy_reference(h, w, labels_T)
+    loss, grads = run_with_grads(fn, [hidden_TD, weight_VD])
+    ref_loss, ref_grads = run_with_grads(ref_fn, [hidden_TD, weight_VD])
+    assert loss.dtype == torch.float32 and loss.shape == ()
+    assert_close(loss, ref_loss, dtype, "loss")
+    for name, g, rg in zip(["hidden", "weight"], grads, ref_grads, strict=True):
+        assert g.dtype == dtype
+        assert_close(g, rg, dtype, f"grad {name}")
+
+
+def test_count_and_loss_exclude_ignored_labels(small_chunks):
+    hidden_TD, weight_VD, labels_T = _inputs(47, 16, 131, torch.float64, ignore_every=3)
+    loss, count = linear_cross_entropy(hidden_TD, weight_VD, labels_T)
+    valid = labels_T != IGNORE
+    assert count.dtype == torch.int64 and int(count) == int(valid.sum()) == 47 - 16
+    log_probs = torch.log_softmax(hidden_TD @ weight_VD.T, dim=-1)
+    expected = -log_probs[valid].gather(1, labels_T[valid, None]).sum()
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_all_ignored_labels_give_zero_loss_count_and_gradient(small_chunks):
+    hidden_TD, weight_VD, labels_T = _inputs(12, 16, 131, torch.float32)
+    labels_T[:] = IGNORE
+    hidden_TD.requires_grad_(True)
+    loss, count = linear_cross_entropy(hidden_TD, weight_VD, labels_T)
+    loss.backward()
+    assert float(loss.detach()) == 0.0 and int(count) == 0
+    assert torch.all(hidden_TD.grad == 0)
+
+
+def test_no_grad_call_returns_the_same_loss(small_chunks):
+    hidden_TD, weight_VD, labels_T = _inputs(33, 16, 131, torch.float32)
+    with torch.no_grad():
+        loss, _ = linear_cross_entropy(hidden_TD, weight_VD, labels_T)
+    ref, _ = linear_cross_entropy_reference(hidden_TD, weight_VD, labels_T)
+    torch.testing.assert_close(loss, ref)
+
+
+def test_linear_cross_entropy_rejects_labels_of_wrong_length():
+    with pytest.raises(ValueError, match="labels shape"):
+        linear_cross_entropy(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(5, dtype=int))

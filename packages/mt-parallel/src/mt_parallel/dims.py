@@ -1,0 +1,79 @@
+"""The four parallel dimensions of a run and their validation.
+
+A run is laid out on a mesh of shape (pp, dp, cp, ep): pipeline stages outermost,
+then FSDP data parallelism, then context and expert parallelism innermost so that
+their frequent traffic stays inside a node (ARCHITECTURE.md §5).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Sizes of the pipeline, data, context and expert mesh axes.
+
+    Args:
+        world_size: number of processes in the run.
+        pp: pipeline-parallel size.
+        dp: data-parallel (FSDP) size; -1 means world_size // (pp * cp * ep).
+        cp: context-parallel size.
+        ep: expert-parallel size.
+    """
+
+    world_size: int
+    pp: int = 1
+    dp: int = -1
+    cp: int = 1
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "pp", "cp", "ep"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"parallel.{name} ({value}) must be >= 1")
+        inner = self.pp * self.cp * self.ep
+        if self.dp == -1:
+            if self.world_size % inner:
+                raise ValueError(
+                    f"world size ({self.world_size}) is not divisible by pp*cp*ep "
+                    f"({self.pp}*{self.cp}*{self.ep}={inner}); choose sizes whose product "
+                    f"divides {self.world_size}"
+                )
+            object.__setattr__(self, "dp", self.world_size // inner)
+        if self.dp < 1:
+            raise ValueError(f"parallel.dp ({self.dp}) must be >= 1, or -1 to fill the world")
+        if self.pp * self.dp * self.cp * self.ep != self.world_size:
+            raise ValueError(
+                f"pp*dp*cp*ep ({self.pp}*{self.dp}*{self.cp}*{self.ep}="
+                f"{self.pp * self.dp * self.cp * self.ep}) must equal the world size "
+                f"({self.world_size}); set parallel.dp=-1 to derive dp"
+            )
+
+    @property
+    def batch_ranks(self) -> int:
+        """Number of ranks that read distinct sequences (dp * ep)."""
+        return self.dp * self.ep
+
+    def validate_model(self, *, num_experts: int, num_heads: int, seq_len: int) -> None:
+        """Checks that the layout fits the model and sequence length.
+
+        Args:
+            num_experts: routed experts per MoE layer.
+            num_heads: attention heads (query heads).
+            seq_len: training sequence length.
+        """
+        if num_experts % self.ep:
+            divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
+            raise ValueError(
+                f"parallel.ep ({self.ep}) must divide num_experts ({num_experts}); "
+                f"choose one of {divisors[:8]}"
+            )
+        if seq_len % (2 * self.cp):
+            raise ValueError(
+                f"seq_len ({seq_len}) must be divisible by 2*parallel.cp ({2 * self.cp}) "
+                "for zigzag context sharding"
+            )
+        if self.cp > num_heads:
+            raise ValueError(f"parallel.cp ({self.cp}) must not exceed num_heads ({num_heads})")

@@ -1,0 +1,75 @@
+"""The plain micro-batch schedule, used when there is no pipeline (pp == 1).
+
+Each rank runs forward and backward over its micro-batches in turn and lets the
+gradients accumulate. The language-model loss of every micro-batch is a *sum* over its
+valid tokens divided by the number of valid tokens in the whole global step (all
+micro-batches, all ranks), so the accumulated gradient is the gradient of the
+global-batch mean loss whatever the layout (ARCHITECTURE.md §5).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class MicroBatch:
+    """Input ids and labels of one micro-batch, both [B, S]."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+
+
+@dataclass
+class StepResult:
+    """Detached sums over the micro-batches this rank ran.
+
+    Attributes:
+        ce_sum: summed token cross-entropy (fp32 scalar).
+        num_tokens: number of tokens that carried a label (int64 scalar).
+        aux_loss: load-balancing loss, averaged over micro-batches (fp32 scalar).
+    """
+
+    ce_sum: torch.Tensor
+    num_tokens: torch.Tensor
+    aux_loss: torch.Tensor
+
+
+def run_microbatches(
+    model: nn.Module,
+    microbatches: Sequence[MicroBatch],
+    global_num_tokens: int,
+    *,
+    ignore_index: int = -100,
+) -> StepResult:
+    """Runs forward and backward over micro-batches, accumulating gradients.
+
+    Args:
+        model: a causal LM with `loss(input_ids, labels, ignore_index=...)` returning
+            `ce_sum`, `num_tokens` and `aux_loss` (mt_models.LossOutput).
+        microbatches: this rank's share of the global batch.
+        global_num_tokens: valid labels in the global batch over all ranks; each
+            micro-batch's summed cross-entropy is divided by it.
+        ignore_index: label value that carries no loss.
+
+    Returns:
+        The detached loss sums, for logging.
+    """
+    if global_num_tokens <= 0:
+        raise ValueError(f"global_num_tokens ({global_num_tokens}) must be positive")
+    ce_sum = torch.zeros((), dtype=torch.float64)
+    num_tokens = torch.zeros((), dtype=torch.int64)
+    aux = torch.zeros((), dtype=torch.float64)
+    for mb in microbatches:
+        out = model.loss(mb.input_ids, mb.labels, ignore_index=ignore_index)
+        # The aux loss is a per-micro-batch mean already; average it over micro-batches.
+        loss = out.ce_sum / global_num_tokens + out.aux_loss / len(microbatches)
+        loss.backward()
+        ce_sum += out.ce_sum.detach().double().cpu()
+        num_tokens += out.num_tokens.detach().cpu()
+        aux += out.aux_loss.detach().double().cpu() / len(microbatches)
+    return StepResult(ce_sum=ce_sum, num_tokens=num_tokens, aux_loss=aux)

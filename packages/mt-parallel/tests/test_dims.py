@@ -1,0 +1,28 @@
+import pytest
+
+from mt_parallel import ParallelDims
+
+
+def test_dp_is_derived_from_the_world_size():
+    dims = ParallelDims(world_size=8, pp=1, cp=2, ep=2)
+    assert dims.dp == 2 and dims.batch_ranks == 4
+
+
+def test_sizes_that_do_not_multiply_to_the_world_size_are_rejected():
+    with pytest.raises(ValueError, match="must equal the world size"):
+        ParallelDims(world_size=8, dp=3)
+    with pytest.raises(ValueError, match="not divisible"):
+        ParallelDims(world_size=6, ep=4)
+
+
+def test_expert_parallel_size_must_divide_the_experts():
+    dims = ParallelDims(world_size=3, ep=3)
+    with pytest.raises(ValueError, match=r"parallel.ep \(3\) must divide num_experts \(8\)"):
+        dims.validate_model(num_experts=8, num_heads=4, seq_len=64)
+
+
+def test_context_parallel_size_must_fit_the_sequence():
+    dims = ParallelDims(world_size=2, cp=2)
+    with pytest.raises(ValueError, match="zigzag"):
+        dims.validate_model(num_experts=8, num_heads=4, seq_len=66)
+    dims.validate_model(num_experts=8, num_heads=4, seq_len=64)

@@ -1,0 +1,63 @@
+"""The plain micro-batch schedule accumulates the gradient of the global-batch mean loss."""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mt_parallel import MicroBatch, run_microbatches
+
+
+@dataclass
+class _Out:
+    ce_sum: torch.Tensor
+    num_tokens: torch.Tensor
+    aux_loss: torch.Tensor
+
+
+class _TinyLM(nn.Module):
+    """Embedding + linear head with the `loss` interface of mt-models."""
+
+    def __init__(self, vocab: int = 11, dim: int = 5):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def loss(self, input_ids, labels, ignore_index=-100):
+        logits = self.head(self.embed(input_ids)).flatten(0, 1)
+        ce = nn.functional.cross_entropy(
+            logits, labels.flatten(), ignore_index=ignore_index, reduction="sum"
+        )
+        aux = self.embed.weight.square().mean()  # any differentiable per-batch term
+        return _Out(ce, (labels != ignore_index).sum(), aux)
+
+
+def test_microbatch_gradients_equal_one_full_batch_with_ignored_labels():
+    torch.manual_seed(0)
+    model = _TinyLM()
+    ids = torch.randint(0, 11, (6, 7))
+    labels = torch.randint(0, 11, (6, 7))
+    labels[0, :5] = -100  # micro-batches hold different numbers of valid tokens
+    labels[3, 2] = -100
+    total = int((labels != -100).sum())
+
+    run_microbatches(model, [MicroBatch(ids, labels)], total)
+    full = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+
+    mbs = [MicroBatch(ids[i : i + 2], labels[i : i + 2]) for i in range(0, 6, 2)]
+    result = run_microbatches(model, mbs, total)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, full[name], rtol=1e-6, atol=1e-7)
+    assert int(result.num_tokens) == total
+    expected_mean = nn.functional.cross_entropy(
+        model.head(model.embed(ids)).flatten(0, 1), labels.flatten(), ignore_index=-100
+    )
+    torch.testing.assert_close(result.ce_sum.float() / total, expected_mean.detach())
+
+
+def test_zero_global_tokens_is_rejected():
+    import pytest
+
+    with pytest.raises(ValueError, match="global_num_tokens"):
+        run_microbatches(_TinyLM(), [], 0)

@@ -1,0 +1,204 @@
+"""Typed run configuration: one small dataclass per concern, validated at construction.
+
+A run's configuration is a `JobConfig`: a recipe (a Python function in
+`mt_train.recipes`) returns one, a TOML file and ``key=value`` overrides adjust it
+(`mt_train.overrides`), and the result is rebuilt from scratch so every
+`__post_init__` check runs on the final values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from mt_models import MODEL_FAMILIES
+
+
+@dataclass
+class DataConfig:
+    """Where training tokens come from.
+
+    Attributes:
+        path: a directory of `.bin`/`.idx` shards built by `mt-data build`; empty
+            means the embedded default corpus (the Python standard library sources).
+        seq_len: tokens per training sequence.
+        on_exhausted: "repeat" starts a new epoch with a new shuffle, "stop" ends
+            the run when the data runs out.
+    """
+
+    path: str = ""
+    seq_len: int = 256
+    on_exhausted: str = "repeat"
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 2:
+            raise ValueError(f"data.seq_len ({self.seq_len}) must be at least 2")
+        if self.on_exhausted not in ("repeat", "stop"):
+            raise ValueError(
+                f"data.on_exhausted ({self.on_exhausted!r}) must be 'repeat' or 'stop'"
+            )
+
+
+@dataclass
+class TrainingConfig:
+    """The optimization: steps, batch, AdamW, LR schedule and precision.
+
+    Attributes:
+        max_steps: optimizer steps of the whole run.
+        global_batch_size: sequences per optimizer step, over all ranks; fixed
+            whatever the parallel layout.
+        micro_batch_size: sequences per forward/backward on one rank.
+        lr: peak learning rate.
+        min_lr_ratio: the cosine decay ends at lr * min_lr_ratio.
+        warmup_steps: linear warm-up steps from 0 to lr.
+        weight_decay: AdamW decoupled weight decay (not applied to norms or biases).
+        beta1: AdamW first-moment decay.
+        beta2: AdamW second-moment decay.
+        eps: AdamW epsilon.
+        grad_clip: clip the global gradient norm to this; 0 disables clipping.
+        dtype: "auto" (BF16 autocast on GPU, FP32 on CPU), "float32" or "bfloat16".
+        device: "auto", "cpu" or "cuda".
+        num_threads: CPU threads for intra-op parallelism (0 leaves PyTorch's
+            default); fix it for bit-exact resume on CPU.
+    """
+
+    max_steps: int = 100
+    global_batch_size: int = 8
+    micro_batch_size: int = 8
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    dtype: str = "auto"
+    device: str = "auto"
+    num_threads: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_steps < 1:
+            raise ValueError(f"training.max_steps ({self.max_steps}) must be >= 1")
+        if self.micro_batch_size < 1 or self.global_batch_size < 1:
+            raise ValueError(
+                f"training.global_batch_size ({self.global_batch_size}) and "
+                f"training.micro_batch_size ({self.micro_batch_size}) must be >= 1"
+            )
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"training.micro_batch_size ({self.micro_batch_size}) must divide "
+                f"training.global_batch_size ({self.global_batch_size})"
+            )
+        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(
+                f"training.lr ({self.lr}) must be > 0 and training.min_lr_ratio "
+                f"({self.min_lr_ratio}) within [0, 1]"
+            )
+        if self.warmup_steps < 0 or self.grad_clip < 0:
+            raise ValueError(
+                f"training.warmup_steps ({self.warmup_steps}) and training.grad_clip "
+                f"({self.grad_clip}) must be >= 0"
+            )
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(
+                f"training.dtype ({self.dtype!r}) must be 'auto', 'float32' or 'bfloat16'"
+            )
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"training.device ({self.device!r}) must be 'auto', 'cpu' or 'cuda'")
+
+
+@dataclass
+class CheckpointConfig:
+    """When to save and whether to resume.
+
+    Attributes:
+        interval: save every this many steps (0: only at the end of the run).
+        keep_last: complete checkpoints to keep (older ones are deleted).
+        resume: resume from the newest complete checkpoint in the run directory.
+    """
+
+    interval: int = 0
+    keep_last: int = 2
+    resume: bool = True
+
+    def __post_init__(self) -> None:
+        if self.interval < 0 or self.keep_last < 1:
+            raise ValueError(
+                f"checkpoint.interval ({self.interval}) must be >= 0 and "
+                f"checkpoint.keep_last ({self.keep_last}) >= 1"
+            )
+
+
+@dataclass
+class ParallelConfig:
+    """Mesh sizes; dp = -1 takes the rest of the world (ARCHITECTURE.md §5)."""
+
+    pp: int = 1
+    dp: int = -1
+    cp: int = 1
+    ep: int = 1
+
+
+@dataclass
+class JobConfig:
+    """Everything a run needs; `model` is the config dataclass of one model family.
+
+    Attributes:
+        model: a model-family config (for example `mt_models.Qwen3MoeConfig`).
+        run_dir: where metrics, checkpoints and the resolved config go.
+        seed: seeds weight initialization and data shuffling.
+        log_every: print a console line every this many steps.
+    """
+
+    model: Any
+    run_dir: str = "runs/debug"
+    seed: int = 0
+    log_every: int = 1
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        if family_of(self.model) is None:
+            raise ValueError(
+                f"model ({type(self.model).__name__}) is not a known model family config; "
+                f"known: {sorted(MODEL_FAMILIES)}"
+            )
+        if self.log_every < 1:
+            raise ValueError(f"log_every ({self.log_every}) must be >= 1")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Returns the config as nested plain data, with the model family named."""
+        out = dataclasses.asdict(self)
+        out["model_family"] = family_of(self.model)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> JobConfig:
+        """Builds (and so validates) a config from `to_dict()` output."""
+        data = dict(data)
+        family = data.pop("model_family")
+        model_cls = MODEL_FAMILIES[family][0]
+        return cls(
+            model=_build(model_cls, data.pop("model")),
+            data=_build(DataConfig, data.pop("data")),
+            training=_build(TrainingConfig, data.pop("training")),
+            checkpoint=_build(CheckpointConfig, data.pop("checkpoint")),
+            parallel=_build(ParallelConfig, data.pop("parallel")),
+            **data,
+        )
+
+
+def _build(cls: type, values: dict[str, Any]) -> Any:
+    return cls(**values)
+
+
+def family_of(model_config: Any) -> str | None:
+    """Returns the registry name of a model config's family, or None."""
+    for name, (config_cls, _) in MODEL_FAMILIES.items():
+        if isinstance(model_config, config_cls):
+            return name
+    return None

@@ -1,0 +1,111 @@
+"""Per-step metrics: one console line with a progress bar, and ``metrics.jsonl``.
+
+Peak FLOP/s used for MFU: the measured dense BF16 matmul rate of an H200 (794 TFLOP/s,
+ARCHITECTURE.md §8) and the vendor's spec (989 TFLOP/s); no MFU is reported on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+MEASURED_PEAK_FLOPS = {"H200": 794e12, "H100": 794e12}
+SPEC_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12}
+_BAR_WIDTH = 20
+
+
+def peak_flops(device_name: str) -> tuple[float | None, float | None]:
+    """Returns (measured, spec) dense BF16 peak FLOP/s for a device name, or Nones."""
+    for key in MEASURED_PEAK_FLOPS:
+        if key in device_name:
+            return MEASURED_PEAK_FLOPS[key], SPEC_PEAK_FLOPS[key]
+    return None, None
+
+
+def _format_duration(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+class MetricsLogger:
+    """Writes one JSON object per step to ``metrics.jsonl`` and a console line.
+
+    Args:
+        run_dir: the run directory; ``metrics.jsonl`` is created (or appended) there.
+        max_steps: the run's last step, for the progress bar and ETA.
+        start_step: the step the run (re)starts from; lines of later steps left by an
+            interrupted earlier run are dropped, so the file has one line per step.
+        log_every: print a console line every this many steps (always the last).
+        stream: where console lines go.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        max_steps: int,
+        start_step: int = 0,
+        log_every: int = 1,
+        stream: TextIO | None = None,
+    ):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.max_steps = max_steps
+        self.start_step = start_step
+        self.log_every = log_every
+        self.stream = stream or sys.stdout
+        self._start_time = time.perf_counter()
+        self._truncate_after(start_step)
+        self._file = open(self.path, "a")  # noqa: SIM115 (closed by close())
+
+    def _truncate_after(self, step: int) -> None:
+        if not self.path.exists():
+            return
+        kept = []
+        for line in self.path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] <= step:
+                    kept.append(line)
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue  # a torn last line from a crash
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, self.path)
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        """Records one step's metrics (must contain `step`)."""
+        self._file.write(json.dumps(metrics) + "\n")
+        self._file.flush()
+        step = metrics["step"]
+        if step % self.log_every == 0 or step == self.max_steps:
+            print(self._console_line(metrics), file=self.stream, flush=True)
+
+    def _console_line(self, m: dict[str, Any]) -> str:
+        step = m["step"]
+        frac = step / self.max_steps
+        filled = int(round(frac * _BAR_WIDTH))
+        bar = "#" * filled + "-" * (_BAR_WIDTH - filled)
+        done = step - self.start_step
+        elapsed = time.perf_counter() - self._start_time
+        eta = elapsed / done * (self.max_steps - step) if done > 0 else 0.0
+        width = len(str(self.max_steps))
+        parts = [
+            f"step {step:>{width}}/{self.max_steps} [{bar}] {frac:4.0%}",
+            f"loss {m['loss']:.4f}",
+            f"aux {m['aux_loss']:.4f}",
+            f"lr {m['lr']:.2e}",
+            f"gnorm {m['grad_norm']:.3f}",
+            f"{m['tokens_per_s']:,.0f} tok/s",
+        ]
+        if m.get("mfu") is not None:
+            parts.append(f"mfu {m['mfu']:.1%}")
+        if m.get("peak_memory_gb") is not None:
+            parts.append(f"mem {m['peak_memory_gb']:.1f}GB")
+        parts.append(f"eta {_format_duration(eta)}")
+        return " | ".join(parts)
+
+    def close(self) -> None:
+        """Closes the metrics file."""
+        self._file.close()

@@ -1,0 +1,146 @@
+"""Adjusting a recipe: a TOML file, then ``key=value`` overrides with dotted keys.
+
+Both act on the nested-dict form of a `JobConfig`; the result is rebuilt with
+`JobConfig.from_dict`, so every dataclass validates the final values. An unknown key
+fails with the closest valid key.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from mt_train.config import JobConfig
+
+_FIXED_KEYS = {"model_family"}
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Returns {"a.b.c": value} for every leaf of a nested dict."""
+    flat = {}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, dotted + "."))
+        else:
+            flat[dotted] = value
+    return flat
+
+
+def _unknown_key_error(key: str, known: list[str], where: str) -> ValueError:
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
+    if not close:  # match on the last component alone ("max_step" -> training.max_steps)
+        by_leaf = {k.rsplit(".", 1)[-1]: k for k in known}
+        leaf = difflib.get_close_matches(key.rsplit(".", 1)[-1], list(by_leaf), n=1)
+        close = [by_leaf[leaf[0]]] if leaf else []
+    hint = f"; did you mean {close[0]!r}?" if close else "; see --print-config for all keys"
+    return ValueError(f"unknown config key {key!r} in {where}{hint}")
+
+
+def parse_value(text: str, current: Any, key: str) -> Any:
+    """Parses the text of one override into the type of the value it replaces.
+
+    Args:
+        text: the part after '=' on the command line.
+        current: the value the key has now (gives the type).
+        key: the dotted key, for error messages.
+
+    Returns:
+        The parsed value.
+    """
+    try:
+        if isinstance(current, bool):
+            lowered = text.strip().lower()
+            if lowered in ("true", "1", "yes", "on"):
+                return True
+            if lowered in ("false", "0", "no", "off"):
+                return False
+            raise ValueError("expected true or false")
+        if isinstance(current, int):
+            return int(text)
+        if isinstance(current, float):
+            return float(text)
+        if isinstance(current, (list, tuple)):
+            stripped = text.strip()
+            if stripped.startswith("["):
+                parsed = json.loads(stripped)
+            else:
+                parsed = [json.loads(p) for p in stripped.split(",") if p.strip()]
+            return type(current)(parsed)
+        if current is None:
+            try:
+                return json.loads(text)
+            except json.JSONDecodeError:
+                return text
+        return text
+    except (ValueError, json.JSONDecodeError) as err:
+        raise ValueError(
+            f"cannot parse {key}={text!r} as {type(current).__name__} "
+            f"(current value {current!r}): {err}"
+        ) from None
+
+
+def _set(data: dict[str, Any], dotted: str, value: Any) -> None:
+    node = data
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        node = node[part]
+    node[leaf] = value
+
+
+def _merge_toml(data: dict[str, Any], table: dict[str, Any], known: dict[str, Any], path: str):
+    for key, value in flatten(table).items():
+        if key not in known or key in _FIXED_KEYS:
+            raise _unknown_key_error(key, list(known), path)
+        current = known[key]
+        if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if current is not None and type(value) is not type(current) and not (
+            isinstance(current, (list, tuple)) and isinstance(value, list)
+        ):
+            raise ValueError(
+                f"{path}: {key} = {value!r} has type {type(value).__name__}, "
+                f"expected {type(current).__name__} (like {current!r})"
+            )
+        _set(data, key, value)
+
+
+def resolve_config(
+    base: JobConfig, *, toml_path: str | Path | None = None, overrides: list[str] = ()
+) -> JobConfig:
+    """Applies a TOML file and then command-line overrides to a recipe's config.
+
+    Args:
+        base: the recipe's config.
+        toml_path: optional TOML file whose tables mirror the config sections.
+        overrides: ``key=value`` strings with dotted keys, applied in order.
+
+    Returns:
+        A new, validated `JobConfig`.
+    """
+    data = base.to_dict()
+    known = {k: v for k, v in flatten(data).items() if k not in _FIXED_KEYS}
+    if toml_path is not None:
+        path = Path(toml_path)
+        try:
+            table = tomllib.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ValueError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as err:
+            raise ValueError(f"config file {path} is not valid TOML: {err}") from None
+        _merge_toml(data, table, known, str(path))
+        known = {k: v for k, v in flatten(data).items() if k not in _FIXED_KEYS}
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ValueError(f"override {item!r} must look like key=value (e.g. training.lr=1e-3)")
+        if key not in known:
+            raise _unknown_key_error(key, list(known), "the command line")
+        value = parse_value(text, known[key], key)
+        _set(data, key, value)
+        known[key] = value
+    return JobConfig.from_dict(data)

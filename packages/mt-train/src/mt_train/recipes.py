@@ -1,0 +1,68 @@
+"""Recipes: named functions that return a complete `JobConfig`.
+
+A recipe is the starting point of a run; a TOML file and ``key=value`` overrides
+adjust it (`mt_train.overrides`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from mt_models import qwen3_moe
+from mt_train.config import (
+    CheckpointConfig,
+    DataConfig,
+    JobConfig,
+    TrainingConfig,
+)
+
+
+def debug() -> JobConfig:
+    """A tiny Qwen3-MoE (8 experts, top-2) on the embedded corpus; minutes on a laptop CPU."""
+    return JobConfig(
+        model=qwen3_moe.debug(),
+        run_dir="runs/debug",
+        data=DataConfig(seq_len=256),
+        training=TrainingConfig(
+            max_steps=150,
+            global_batch_size=8,
+            micro_batch_size=4,
+            lr=3e-3,
+            warmup_steps=15,
+        ),
+        checkpoint=CheckpointConfig(interval=50, keep_last=2),
+    )
+
+
+def qwen3_30b_a3b() -> JobConfig:
+    """Qwen3-30B-A3B (128 experts, top-8) at sequence length 4096."""
+    return JobConfig(
+        model=qwen3_moe.qwen3_30b_a3b(),
+        run_dir="runs/qwen3-30b-a3b",
+        data=DataConfig(seq_len=4096),
+        training=TrainingConfig(
+            max_steps=1000,
+            global_batch_size=128,
+            micro_batch_size=1,
+            lr=3e-4,
+            warmup_steps=100,
+        ),
+        checkpoint=CheckpointConfig(interval=500),
+    )
+
+
+RECIPES: dict[str, Callable[[], JobConfig]] = {
+    "debug": debug,
+    "qwen3-30b-a3b": qwen3_30b_a3b,
+}
+
+
+def get_recipe(name: str) -> JobConfig:
+    """Returns the config of the recipe called `name`."""
+    if name not in RECIPES:
+        import difflib
+
+        close = difflib.get_close_matches(name, list(RECIPES), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"unknown recipe {name!r}{hint} (recipes: {', '.join(RECIPES)})")
+    return RECIPES[name]()

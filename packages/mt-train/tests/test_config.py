@@ -1,0 +1,106 @@
+"""Recipes, TOML files and key=value overrides resolve to one validated config."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mt_train.cli import main
+from mt_train.config import JobConfig
+from mt_train.optim import lr_at
+from mt_train.overrides import resolve_config
+from mt_train.recipes import RECIPES, get_recipe
+
+
+def test_overrides_parse_values_by_the_type_they_replace():
+    cfg = resolve_config(
+        get_recipe("debug"),
+        overrides=[
+            "training.max_steps=7",
+            "training.lr=1e-3",
+            "checkpoint.resume=false",
+            "run_dir=runs/x",
+            "model.mlp_only_layers=0,2",
+        ],
+    )
+    assert cfg.training.max_steps == 7 and cfg.training.lr == 1e-3
+    assert cfg.checkpoint.resume is False and cfg.run_dir == "runs/x"
+    assert list(cfg.model.mlp_only_layers) == [0, 2]
+
+
+def test_unknown_key_fails_with_the_closest_valid_key():
+    with pytest.raises(ValueError, match=r"did you mean 'training.max_steps'"):
+        resolve_config(get_recipe("debug"), overrides=["training.max_step=3"])
+    with pytest.raises(ValueError, match=r"did you mean 'training.max_steps'"):
+        resolve_config(get_recipe("debug"), overrides=["max_steps=3"])
+
+
+def test_bad_values_fail_validation_with_the_rule():
+    with pytest.raises(ValueError, match="micro_batch_size .* must divide"):
+        resolve_config(get_recipe("debug"), overrides=["training.micro_batch_size=3"])
+    with pytest.raises(ValueError, match="cannot parse training.max_steps='ten'"):
+        resolve_config(get_recipe("debug"), overrides=["training.max_steps=ten"])
+    with pytest.raises(ValueError, match="must look like key=value"):
+        resolve_config(get_recipe("debug"), overrides=["training.max_steps"])
+
+
+def test_toml_file_adjusts_the_recipe_and_command_line_wins(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('run_dir = "runs/t"\n[training]\nmax_steps = 9\nlr = 1\n')
+    cfg = resolve_config(get_recipe("debug"), toml_path=path, overrides=["training.max_steps=4"])
+    assert cfg.run_dir == "runs/t" and cfg.training.max_steps == 4 and cfg.training.lr == 1.0
+    path.write_text("[training]\nmax_stepz = 9\n")
+    with pytest.raises(ValueError, match=r"run.toml.*did you mean 'training.max_steps'"):
+        resolve_config(get_recipe("debug"), toml_path=path)
+    path.write_text('[training]\nmax_steps = "nine"\n')
+    with pytest.raises(ValueError, match="expected int"):
+        resolve_config(get_recipe("debug"), toml_path=path)
+
+
+def test_config_round_trips_through_plain_data():
+    cfg = get_recipe("debug")
+    again = JobConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
+    assert again.to_dict() == cfg.to_dict()
+
+
+def test_unknown_recipe_suggests_a_known_one():
+    with pytest.raises(ValueError, match="did you mean 'debug'"):
+        get_recipe("debg")
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor():
+    cfg = get_recipe("debug").training
+    assert lr_at(1, cfg) == pytest.approx(cfg.lr / cfg.warmup_steps)
+    assert lr_at(cfg.warmup_steps, cfg) == pytest.approx(cfg.lr)
+    assert lr_at(cfg.max_steps, cfg) == pytest.approx(cfg.lr * cfg.min_lr_ratio)
+    lrs = [lr_at(s, cfg) for s in range(cfg.warmup_steps, cfg.max_steps + 1)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:], strict=False))
+
+
+def test_print_config_and_help(capsys):
+    assert main(["pretrain", "debug", "--print-config", "training.max_steps=3"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["training"]["max_steps"] == 3 and printed["model_family"] == "qwen3_moe"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["pretrain", "--help"])
+    assert exit_info.value.code == 0
+    help_text = capsys.readouterr().out
+    for name in RECIPES:
+        assert name in help_text
+
+
+def test_cli_reports_bad_input_without_a_traceback(capsys):
+    assert main(["pretrain", "debug", "training.max_step=3"]) == 2
+    err = capsys.readouterr().err
+    assert "did you mean 'training.max_steps'" in err and "Traceback" not in err
+
+
+def test_python_dash_m_runs_the_same_cli():
+    result = subprocess.run(
+        [sys.executable, "-m", "mt_train", "pretrain", "--print-config", "seed=5"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["seed"] == 5

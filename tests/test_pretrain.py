@@ -1,0 +1,89 @@
+"""`mt-train pretrain` end to end on CPU: loss falls, metrics are written, runs resume."""
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from mt_train.checkpoint import checkpoint_root, list_checkpoints
+from mt_train.overrides import resolve_config
+from mt_train.recipes import get_recipe
+from mt_train.train import pretrain
+
+# A model small enough that each test takes seconds; everything else is the debug recipe.
+TINY = [
+    "model.hidden_size=64",
+    "model.num_hidden_layers=2",
+    "model.moe_intermediate_size=32",
+    "model.intermediate_size=64",
+    "data.seq_len=64",
+    "training.global_batch_size=4",
+    "training.micro_batch_size=2",
+    "training.num_threads=1",
+]
+
+
+def _cfg(run_dir, *overrides):
+    return resolve_config(get_recipe("debug"), overrides=[*TINY, f"run_dir={run_dir}", *overrides])
+
+
+def _metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_pretrain_loss_falls_and_metrics_are_written(tmp_path):
+    state = pretrain(_cfg(tmp_path, "training.max_steps=40", "training.warmup_steps=5"))
+    rows = _metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, 41))
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "aux_loss"):
+        assert all(isinstance(r[key], (int, float)) for r in rows), key
+    first, last = sum(state.losses[:5]) / 5, sum(state.losses[-5:]) / 5
+    assert last < first - 1.0, (first, last)
+    assert [c.step for c in list_checkpoints(checkpoint_root(tmp_path))] == [40]
+    assert (tmp_path / "config.json").is_file()
+
+
+def test_resumed_run_continues_from_its_last_step_bit_exactly(tmp_path, caplog):
+    constant_lr = ["training.warmup_steps=0", "training.min_lr_ratio=1.0"]
+    whole = pretrain(_cfg(tmp_path / "whole", "training.max_steps=6", *constant_lr))
+    pretrain(_cfg(tmp_path / "split", "training.max_steps=3", *constant_lr))
+    with caplog.at_level(logging.WARNING, logger="mt_train"):
+        resumed = pretrain(_cfg(tmp_path / "split", "training.max_steps=6", *constant_lr))
+    assert len(resumed.losses) == 3, "the second run must start at step 4, not step 1"
+    assert resumed.losses == whole.losses[3:]
+    assert [r["step"] for r in _metrics(tmp_path / "split")] == [1, 2, 3, 4, 5, 6]
+    assert "training.max_steps: 3 -> 6" in caplog.text
+
+
+def test_changed_schedule_on_resume_warns_about_the_lr(tmp_path, caplog):
+    pretrain(_cfg(tmp_path, "training.max_steps=4", "training.warmup_steps=1"))
+    with caplog.at_level(logging.WARNING, logger="mt_train"):
+        state = pretrain(_cfg(tmp_path, "training.max_steps=8", "training.warmup_steps=1"))
+    assert state.step == 8 and len(state.losses) == 4
+    assert "LR schedule is recomputed" in caplog.text
+
+
+def test_an_unfinished_checkpoint_is_never_resumed(tmp_path):
+    pretrain(_cfg(tmp_path, "training.max_steps=2"))
+    root = checkpoint_root(tmp_path)
+    # A crash while writing step 3 leaves a temporary directory behind.
+    shutil.copytree(root / "step_00000002", root / ".tmp-step_00000003")
+    state = pretrain(_cfg(tmp_path, "training.max_steps=3"))
+    assert state.losses and len(state.losses) == 1 and state.step == 3
+
+
+@pytest.mark.slow
+def test_mt_train_command_runs_and_resumes(tmp_path):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "mt_train", "pretrain", "debug", *TINY, f"run_dir={tmp_path}"]
+    first = subprocess.run([*cmd, "training.max_steps=2"], capture_output=True, text=True, env=env)
+    assert first.returncode == 0, first.stderr
+    assert "step 2/2" in first.stdout
+    again = subprocess.run([*cmd, "training.max_steps=3"], capture_output=True, text=True, env=env)
+    assert again.returncode == 0, again.stderr
+    assert "step 3/3" in again.stdout and "step 1/3" not in again.stdout
+    assert "resumed from" in again.stderr
