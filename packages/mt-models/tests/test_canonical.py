@@ -47,7 +47,7 @@ def test_non_expert_parameter_names_already_are_hub_keys(build_debug_model):
 
 def test_expert_tensors_are_views_sharing_storage(build_debug_model):
     model = build_debug_model()
-    stacked = model.model.layers[1].mlp.experts.down_proj  # [E, D, F]
+    stacked = model.model.layers[1].mlp.experts.down_proj.weight  # [E, D, F]
     view = model.canonical_parameters()["model.layers.1.mlp.experts.5.down_proj.weight"]
     assert view.shape == (128, 96)
     assert view.untyped_storage().data_ptr() == stacked.untyped_storage().data_ptr()
@@ -62,7 +62,7 @@ def test_optimizer_state_shaped_tensors_map_like_parameters(build_debug_model):
     canonical = model.to_canonical(exp_avg)
     assert set(canonical) == _expected_hub_keys()
     canonical["model.layers.0.mlp.experts.2.up_proj.weight"].add_(1.0)
-    assert exp_avg["model.layers.0.mlp.experts.up_proj"][2].sum() == 96 * 128
+    assert exp_avg["model.layers.0.mlp.experts.up_proj.weight"][2].sum() == 96 * 128
 
 
 def test_to_canonical_rejects_unknown_names(build_debug_model):

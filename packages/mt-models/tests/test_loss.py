@@ -40,7 +40,7 @@ def test_aux_loss_is_nonnegative_and_its_gradient_reaches_the_router(build_debug
     for layer in model.model.layers:
         assert layer.mlp.gate.weight.grad.abs().sum() > 0
     # The last layer's experts feed no later router, so the aux loss cannot reach them.
-    assert model.model.layers[-1].mlp.experts.gate_proj.grad is None
+    assert model.model.layers[-1].mlp.experts.gate_proj.weight.grad is None
 
 
 def test_load_balancing_loss_equals_hugging_face_formula(build_debug_model):

@@ -62,10 +62,10 @@ def test_moe_layer_equals_per_token_loop_over_chosen_experts(build_debug_model):
         acc_D = torch.zeros(128)
         for k in range(2):
             e = int(routed.topk_ids_TK[t, k])
-            act_F = torch.nn.functional.silu(experts.gate_proj[e] @ h_D) * (
-                experts.up_proj[e] @ h_D
+            act_F = torch.nn.functional.silu(experts.gate_proj.weight[e] @ h_D) * (
+                experts.up_proj.weight[e] @ h_D
             )
-            acc_D = acc_D + routed.topk_weights_TK[t, k] * (experts.down_proj[e] @ act_F)
+            acc_D = acc_D + routed.topk_weights_TK[t, k] * (experts.down_proj.weight[e] @ act_F)
         rows.append(routed.residual_TD[t] + acc_D)
     expected_BSD = torch.stack(rows).view(2, 13, 128)
     torch.testing.assert_close(layer(x_BSD).hidden_BSD, expected_BSD, rtol=1e-5, atol=1e-5)

@@ -173,14 +173,14 @@ class CausalLM(nn.Module):
         for prefix, module in self.named_modules():
             if isinstance(module, GroupedExperts):
                 for name in EXPERT_WEIGHT_NAMES:
-                    out[f"{prefix}.{name}"] = (prefix, name, module)
+                    out[f"{prefix}.{name}.weight"] = (prefix, name, module)
         return out
 
     def to_canonical(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
         """Renames parameter-shaped tensors to Hugging Face Hub keys, one key per expert.
 
         Non-expert FQNs already are Hub keys. A stacked expert tensor
-        ``<prefix>.gate_proj`` [E, F, D] becomes ``<prefix>.{e}.gate_proj.weight`` → ``t[e]``
+        ``<prefix>.gate_proj.weight`` [E, F, D] becomes ``<prefix>.{e}.gate_proj.weight`` → ``t[e]``
         for global expert ids e, as views sharing storage (writes land in the stack).
 
         Args:

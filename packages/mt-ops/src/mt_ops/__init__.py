@@ -7,7 +7,7 @@ kernels come later and keep these signatures).
 
 from mt_ops.attention import attention, attention_reference
 from mt_ops.cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
-from mt_ops.grouped_linear import grouped_linear, grouped_linear_reference
+from mt_ops.grouped_linear import GroupedLinear, grouped_linear, grouped_linear_reference
 from mt_ops.moe_permute import DispatchPlan, permute, plan_dispatch, unpermute
 from mt_ops.rms_norm import rms_norm, rms_norm_reference
 from mt_ops.rope import apply_rope, apply_rope_reference
@@ -15,6 +15,7 @@ from mt_ops.swiglu import swiglu, swiglu_reference
 
 __all__ = [
     "DispatchPlan",
+    "GroupedLinear",
     "apply_rope",
     "apply_rope_reference",
     "attention",

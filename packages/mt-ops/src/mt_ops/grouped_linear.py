@@ -12,9 +12,9 @@ aligned (D and O multiples of 8); everywhere else it runs the reference loop.
 """
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["grouped_linear", "grouped_linear_reference"]
+__all__ = ["GroupedLinear", "grouped_linear", "grouped_linear_reference"]
 
 # torch._grouped_mm needs 16-byte aligned row strides: 8 bf16 elements.
 _GROUPED_MM_ALIGN = 8
@@ -57,6 +57,42 @@ def grouped_linear(x_RD: Tensor, w_EOD: Tensor, tokens_per_expert_E: Tensor) -> 
         return grouped_linear_reference(x_RD, w_EOD, tokens_per_expert_E)
     offsets_E = torch.cumsum(tokens_per_expert_E, dim=0).to(torch.int32)  # [E], row ends
     return torch._grouped_mm(x_RD, w_EOD.transpose(-2, -1), offs=offsets_E)  # [R, O]
+
+
+class GroupedLinear(nn.Module):
+    """E linear maps stacked in one module: expert e's rows go through ``weight[e]``.
+
+    The module form of :func:`grouped_linear`, so that precision conversions
+    (``convert_to_fp8``) and deferred weight gradients can swap or wrap it the way they
+    do ``nn.Linear``. ``__init__`` holds shapes only; the owner initializes the weights.
+
+    Args:
+        num_experts: E, experts held by this module.
+        in_features: D.
+        out_features: O.
+    """
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
+
+    def forward(self, x_RD: Tensor, tokens_per_expert_E: Tensor) -> Tensor:
+        """Applies expert e's weight to its consecutive rows.
+
+        Args:
+            x_RD: Rows grouped by expert, in expert order [R, D].
+            tokens_per_expert_E: Rows per expert [E], summing to R.
+
+        Returns:
+            ``y`` [R, O].
+        """
+        return grouped_linear(x_RD, self.weight, tokens_per_expert_E)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_experts}, {self.in_features}, {self.out_features}"
 
 
 def grouped_linear_reference(x_RD: Tensor, w_EOD: Tensor, tokens_per_expert_E: Tensor) -> Tensor:

@@ -3,17 +3,16 @@
 Legend: R routed rows, D model dim, F expert hidden dim, E experts (on this module).
 """
 
-import torch
 from torch import Tensor, nn
 
 from mt_models.layers.router import TopKRouter
-from mt_ops import grouped_linear, swiglu
+from mt_ops import GroupedLinear, swiglu
 
 EXPERT_WEIGHT_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts whose weights are stacked along dim 0 ([E, out, in], as nn.Linear).
+    """E SwiGLU experts; each projection is an mt_ops.GroupedLinear ([E, out, in] weights).
 
     ``first_expert_id`` is the global id of expert 0 of this module (0 unless expert
     parallelism gave it a slice); canonical names use global ids.
@@ -28,9 +27,9 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.num_experts = num_experts
         self.first_expert_id = 0
-        self.gate_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
-        self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.gate_proj = GroupedLinear(num_experts, hidden_size, intermediate_size)
+        self.up_proj = GroupedLinear(num_experts, hidden_size, intermediate_size)
+        self.down_proj = GroupedLinear(num_experts, intermediate_size, hidden_size)
 
     def forward(self, tokens_RD: Tensor, tokens_per_expert_E: Tensor) -> Tensor:
         """Runs every expert over its consecutive rows.
@@ -42,9 +41,9 @@ class GroupedExperts(nn.Module):
         Returns:
             Expert outputs [R, D].
         """
-        gate_RF = grouped_linear(tokens_RD, self.gate_proj, tokens_per_expert_E)  # [R, F]
-        up_RF = grouped_linear(tokens_RD, self.up_proj, tokens_per_expert_E)  # [R, F]
-        return grouped_linear(swiglu(gate_RF, up_RF), self.down_proj, tokens_per_expert_E)
+        gate_RF = self.gate_proj(tokens_RD, tokens_per_expert_E)  # [R, F]
+        up_RF = self.up_proj(tokens_RD, tokens_per_expert_E)  # [R, F]
+        return self.down_proj(swiglu(gate_RF, up_RF), tokens_per_expert_E)  # [R, D]
 
 
 class MoEBlock(nn.Module):
