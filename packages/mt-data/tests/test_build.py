@@ -34,6 +34,7 @@ TEXTS_B = ["class A:\n    pass\n", "x = [1, 2, 3]"]
 
 
 def _build(inputs, output, **kwargs):
+    kwargs.setdefault("workers", 0)  # in-process: no worker start-up time in unit tests
     return build_corpus(inputs, default_tokenizer_path(), output, progress=False, **kwargs)
 
 
@@ -53,7 +54,7 @@ def test_each_input_becomes_one_shard_of_its_documents_in_order_with_eos(tmp_pat
     assert manifest["vocab_size"] == 4096
     assert manifest["dtype"] == "uint16"
     assert manifest["eos_id"] == tokenizer.eos_id
-    assert manifest["format_version"] == 1
+    assert manifest["format_version"] == 2
     assert manifest["inputs"] == [str(a), str(b)]
     assert manifest["num_documents"] == summary.num_documents == 5
     assert manifest["num_tokens"] == summary.num_tokens
@@ -81,6 +82,7 @@ def test_rerun_skips_finished_shards_and_rebuilds_unfinished_ones(tmp_path):
 
     summary = _build([a, b], out)
     assert [s.resumed for s in summary.shards] == [True, False]
+    assert summary.shards[0].documents == 3 and summary.shards[0].bad_lines == 0
     assert (out / "a.idx").stat().st_ino == a_idx_inode
     assert (out / "b.bin").read_bytes() == b_bin
     assert not list(out.glob("*.tmp"))
@@ -136,6 +138,17 @@ def test_skip_mode_counts_bad_lines_and_reports_file_and_line(tmp_path):
     reasons = " | ".join(b.reason for b in summary.bad_lines)
     for word in ("malformed JSON", "no 'text' field", "not a string", "UTF-8", "JSON object"):
         assert word in reasons
+    expected_kinds = {
+        "invalid_utf8": 2,
+        "malformed_json": 1,
+        "missing_text": 1,
+        "non_string_text": 1,
+        "not_an_object": 1,
+    }
+    assert summary.bad_lines_by_kind == expected_kinds
+    manifest = json.loads(summary.manifest_path.read_text())
+    assert manifest["bad_lines_by_kind"] == expected_kinds
+    assert manifest["num_bad_lines"] == 6 and manifest["num_empty_documents"] == 1
 
 
 def test_fail_mode_raises_at_the_first_bad_line_and_leaves_no_shard(tmp_path):
@@ -257,3 +270,17 @@ def test_eos_falls_back_to_a_known_token_without_tokenizer_config(tmp_path):
     config.write_text('{"eos_token": "<missing>"}')
     with pytest.raises(ValueError, match="'<missing>'.*not in the vocabulary"):
         load_tokenizer(bare)
+
+
+def test_eos_token_argument_overrides_the_config(tmp_path, tokenizer):
+    directory = tmp_path / "tok"
+    directory.mkdir()
+    (directory / "tokenizer.json").write_bytes(default_tokenizer_path().read_bytes())
+    (directory / "tokenizer_config.json").write_text('{"eos_token": "<missing>"}')
+    with pytest.raises(ValueError, match="'<missing>'.*not in the vocabulary"):
+        load_tokenizer(directory)
+    assert load_tokenizer(directory, eos_token="<|endoftext|>").eos_id == tokenizer.eos_id
+    path = write_jsonl(tmp_path / "e.jsonl", ["x"])
+    argv = ["build", str(path), "--tokenizer", str(directory), "--output", str(tmp_path / "o")]
+    assert main([*argv, "--eos-token", "<|endoftext|>", "--no-progress", "--workers", "0"]) == 0
+    assert IndexedDataset(tmp_path / "o" / "e")[0].tolist()[-1] == tokenizer.eos_id

@@ -55,13 +55,13 @@ def test_shuffle_covers_each_sample_exactly_once_per_epoch(corpus):
     for epoch in range(3):
         order = dataset.permutation(epoch)
         assert sorted(order.tolist()) == list(range(n))
-        expected = np.random.default_rng([3, epoch]).permutation(n)
-        np.testing.assert_array_equal(order, expected)
         batch = dataset.take(n)
         rows = {tuple(r) for r in batch.tolist()}
         assert rows == {tuple(dataset.sample(j).tolist()) for j in range(n)}
         assert dataset.epoch == epoch + 1
     assert not np.array_equal(dataset.permutation(0), dataset.permutation(1))
+    other_seed = TokenDataset(corpus[0], SEQ_LEN, seed=4)
+    assert not np.array_equal(dataset.permutation(0), other_seed.permutation(0))
 
 
 def test_take_rank_slices_tile_the_global_batch(corpus):
@@ -99,7 +99,15 @@ def test_take_resumes_exactly_from_state(corpus):
     for _ in range(3):
         first.take(6, rank=1, world_size=2)
     state = json.loads(json.dumps(first.state_dict()))  # as a checkpoint would store it
-    assert state == {"consumed_samples": 18, "seed": 11, "seq_len": SEQ_LEN, "num_samples": 10}
+    assert state == {
+        "version": 2,
+        "consumed_samples": 18,
+        "seed": 11,
+        "seq_len": SEQ_LEN,
+        "on_exhausted": "repeat",
+        "epoch": 1,
+        "corpora": [{"num_samples": 10, "weight": 1.0, "consumed_samples": 18, "epoch": 1}],
+    }
 
     resumed = TokenDataset(corpus[0], SEQ_LEN, seed=999)  # the state's seed wins
     resumed.load_state_dict(state)
@@ -110,7 +118,7 @@ def test_take_resumes_exactly_from_state(corpus):
 def test_stop_raises_data_exhausted_before_consuming(corpus):
     dataset = TokenDataset(corpus[0], SEQ_LEN, on_exhausted="stop")
     dataset.take(8)
-    with pytest.raises(DataExhausted, match="2 of 10 samples left"):
+    with pytest.raises(DataExhausted, match="2 of 10 samples left.*needs 4"):
         dataset.take(4)
     assert dataset.consumed_samples == 8
     assert dataset.take(2).shape == (2, SEQ_LEN + 1)
@@ -127,14 +135,15 @@ def test_take_rejects_a_world_size_that_does_not_divide_the_batch(corpus):
     assert dataset.consumed_samples == 0
 
 
-def test_load_state_dict_rejects_another_seq_len_or_corpus(corpus):
+def test_load_state_dict_rejects_another_seq_len_corpus_or_version(corpus):
     state = TokenDataset(corpus[0], SEQ_LEN).state_dict()
     with pytest.raises(ValueError, match="resume with seq_len=8"):
         TokenDataset(corpus[0], 4).load_state_dict(state)
+    changed = {**state, "corpora": [{**state["corpora"][0], "num_samples": 11}]}
     with pytest.raises(ValueError, match="the corpus changed"):
-        TokenDataset(corpus[0], SEQ_LEN).load_state_dict({**state, "num_samples": 11})
-    with pytest.raises(ValueError, match="lacks"):
-        TokenDataset(corpus[0], SEQ_LEN).load_state_dict({"seed": 0})
+        TokenDataset(corpus[0], SEQ_LEN).load_state_dict(changed)
+    with pytest.raises(ValueError, match="version"):
+        TokenDataset(corpus[0], SEQ_LEN).load_state_dict({"consumed_samples": 0, "seed": 0})
 
 
 def test_directory_without_shards_or_tokens_is_an_error_naming_it(tmp_path):
@@ -155,3 +164,18 @@ def test_vocab_size_and_eos_come_from_the_manifest(corpus):
     (data_dir / "manifest.json").write_text(json.dumps({"vocab_size": 60001, "eos_id": 0}))
     dataset = TokenDataset(data_dir, SEQ_LEN)
     assert (dataset.vocab_size, dataset.eos_id) == (60001, 0)
+
+
+def test_shards_whose_sequences_are_not_back_to_back_are_refused(corpus, monkeypatch):
+    import mt_data.corpus
+
+    data_dir, _ = corpus
+    monkeypatch.setattr(mt_data.corpus, "_CHECK_CHUNK", 2)  # the check spans several chunks
+    assert TokenDataset(data_dir, SEQ_LEN).num_tokens == 82
+    idx = data_dir / "c.idx"
+    raw = bytearray(idx.read_bytes())
+    pointers_at = 34 + 4 * 5  # after the header and the 5 lengths of shard c
+    raw[pointers_at + 8 * 3 : pointers_at + 8 * 4] = (10**6).to_bytes(8, "little")
+    idx.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="not stored back to back"):
+        TokenDataset(data_dir, SEQ_LEN)

@@ -68,7 +68,7 @@ def test_writer_deletes_temporaries_when_an_exception_escapes(tmp_path):
 def test_unfinished_writer_leaves_only_tmp_files(tmp_path):
     writer = IndexedDatasetWriter(tmp_path / "s", np.uint16)
     writer.add_document([1, 2])
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.bin.tmp"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.bin.tmp", "s.idx.tmp"]
     writer.finalize()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.bin", "s.idx"]
 

@@ -18,6 +18,7 @@ def test_public_api_is_exported():
         "default_corpus_dir",
         "default_tokenizer_path",
         "token_dtype",
+        "zigzag_ranges",
     }
     assert issubclass(mt_data.DataExhausted, Exception)
 
@@ -28,4 +29,4 @@ def test_mt_data_imports_without_torch_and_runs_as_a_module():
     result = subprocess.run(
         [sys.executable, "-m", "mt_data", "--help"], capture_output=True, text=True, check=True
     )
-    assert "build-default" in result.stdout
+    assert all(command in result.stdout for command in ("build", "inspect", "build-default"))

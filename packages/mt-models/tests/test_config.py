@@ -69,3 +69,30 @@ def test_flops_per_token_is_six_times_active_matmul_params_plus_attention():
     attention = 3 * 4 * 2 * 4 * 64 * 100 / 2
     assert model.flops_per_token(100) == pytest.approx(6 * active + attention)
     assert model.flops_per_token(100) > 0
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides", "message"),
+    [
+        ("deepseek_v2", {"topk_group": 5}, "group_limited_greedy needs"),
+        ("deepseek_v2", {"topk_method": "noaux_tc"}, "topk_method"),
+        ("deepseek_v2", {"qk_rope_head_dim": 15}, "qk_rope_head_dim"),
+        ("gpt_oss", {"layer_types": ["full_attention"]}, "layer_types"),
+        ("gpt_oss", {"swiglu_limit": 0.0}, "swiglu_limit"),
+        ("qwen3_moe", {"aux_loss_type": "batch"}, "aux_loss_type"),
+        ("qwen3_moe", {"rope_scaling": {"rope_type": "longrope"}}, "not supported"),
+        ("qwen3_moe", {"use_sliding_window": True, "sliding_window": None}, "sliding_window"),
+    ],
+)
+def test_family_configs_reject_invalid_values_naming_them(family, overrides, message):
+    debug_preset = __import__(f"mt_models.{family}", fromlist=["debug"]).debug
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(debug_preset(), **overrides)
+
+
+def test_every_family_is_registered_and_exposes_num_experts():
+    for name, (config_cls, model_cls) in MODEL_FAMILIES.items():
+        config = __import__(f"mt_models.{name}", fromlist=["debug"]).debug()
+        assert type(config) is config_cls and config.num_experts == 8
+        with torch.device("meta"):
+            assert type(build_model(config)) is model_cls

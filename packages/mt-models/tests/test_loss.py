@@ -1,10 +1,12 @@
 """model.loss: summed CE via the chunked op, token count, load-balancing loss; training."""
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
 from mt_models import LossOutput, RouterStats
-from mt_models.layers import load_balancing_loss
+from mt_models.layers import load_balancing_loss, router_z_loss, sequence_load_balancing_loss
 
 
 def _batch(seed=0, vocab=4096):
@@ -56,17 +58,23 @@ def test_load_balancing_loss_equals_hugging_face_formula(build_debug_model):
 
 
 def test_router_stats_of_two_halves_sum_to_the_stats_of_the_whole(build_debug_model):
-    """What a cross-rank all-reduce of the statistics relies on."""
+    """What a cross-rank all-reduce of the statistics relies on (one sequence split in two,
+    as context parallelism splits it: every field, per-sequence ones included, adds up)."""
     router = build_debug_model().model.layers[0].mlp.gate
     hidden_TD = torch.randn(40, 128)
     whole = router(hidden_TD).stats
     first, second = router(hidden_TD[:17]).stats, router(hidden_TD[17:]).stats
     summed = RouterStats(
-        tokens_per_expert_E=first.tokens_per_expert_E + second.tokens_per_expert_E,
-        prob_sum_E=first.prob_sum_E + second.prob_sum_E,
-        num_tokens=first.num_tokens + second.num_tokens,
+        **{
+            f.name: getattr(first, f.name) + getattr(second, f.name)
+            for f in dataclasses.fields(RouterStats)
+        }
     )
     torch.testing.assert_close(load_balancing_loss(summed), load_balancing_loss(whole))
+    torch.testing.assert_close(
+        sequence_load_balancing_loss(summed), sequence_load_balancing_loss(whole)
+    )
+    torch.testing.assert_close(router_z_loss(summed), router_z_loss(whole))
 
 
 def test_a_few_adamw_steps_lower_the_loss_on_a_fixed_batch(build_debug_model):

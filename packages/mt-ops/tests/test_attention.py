@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from mt_ops import attention, attention_reference
+from mt_ops import apply_sinks, attention, attention_reference
 
 # (B, Hq, Hkv, S, D): MHA, GQA, an odd length, and an empty sequence.
 CASES = [(2, 4, 4, 16, 32), (1, 4, 2, 37, 24), (1, 6, 2, 0, 16)]
@@ -70,3 +70,134 @@ def test_attention_rejects_heads_not_divisible():
     kv = torch.randn(1, 2, 4, 8)
     with pytest.raises(ValueError, match="multiple of k/v heads"):
         attention(q, kv, kv)
+
+
+def _float64_attention(q, k, v, mask, sinks=None, scale=None):
+    """Softmax over [scores, sink] in float64, the sink column dropped (GPT-OSS's eager form)."""
+    group = q.shape[1] // k.shape[1]
+    kr, vr = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (q.double() @ kr.transpose(-2, -1)) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        sink_col = sinks.double()[None, :, None, None].expand(*scores.shape[:-1], 1)
+        scores = torch.cat([scores, sink_col], dim=-1)
+    probs = torch.softmax(scores, dim=-1)
+    if sinks is not None:
+        probs = probs[..., :-1]
+    return probs @ vr
+
+
+@pytest.mark.parametrize("window", [1, 4, 100])
+def test_sliding_window_matches_hugging_face_mask_kv_after_q_minus_window(window):
+    q, k, v = _qkv((2, 4, 2, 11, 8), torch.float32)
+    i, j = torch.arange(11)[:, None], torch.arange(11)[None]
+    mask = (j <= i) & (j > i - window)  # transformers' sliding_window_overlay
+    expected = _float64_attention(q, k, v, mask)
+    for fn in (attention, attention_reference):
+        out = fn(q, k, v, window=window)
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_sinks_equal_an_extra_softmax_column_without_value():
+    q, k, v = _qkv((2, 4, 2, 9, 8), torch.float32, seed=3)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    mask = torch.ones(9, 9, dtype=torch.bool).tril()
+    expected = _float64_attention(q, k, v, mask, sinks)
+    out = attention(q, k, v, sinks=sinks)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(out, attention(q, k, v), atol=1e-3)  # the sinks matter
+
+
+def test_sinks_apply_once_after_merging_two_key_chunks_by_lse():
+    """What a ring-attention core does: partial (out, lse) per k chunk, merge, then sinks."""
+    q, k, v = _qkv((1, 4, 2, 12, 8), torch.float32, seed=4)
+    sinks = torch.tensor([0.3, -0.2, 1.0, 2.0])
+    q_pos = torch.arange(6, 12)  # the second half of the queries
+    parts = [
+        attention(
+            q[:, :, 6:],
+            k[:, :, s],
+            v[:, :, s],
+            q_positions=q_pos,
+            kv_positions=torch.arange(12)[s],
+            window=5,
+            return_lse=True,
+        )
+        for s in (slice(0, 6), slice(6, 12))
+    ]
+    lse = torch.logaddexp(parts[0][1], parts[1][1])
+    merged = sum(out * torch.exp(part_lse - lse)[..., None] for out, part_lse in parts)
+    got = apply_sinks(merged, lse, sinks)
+    expected = attention(q, k, v, window=5, sinks=sinks)[:, :, 6:]
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_query_that_sees_no_key_gets_zero_output_and_minus_inf_lse_with_finite_grads():
+    q, k, v = _qkv((1, 2, 2, 4, 8), torch.float32, seed=5)
+    q.requires_grad_(True)
+    out, lse = attention(
+        q, k, v, q_positions=torch.arange(4), kv_positions=torch.arange(10, 14), return_lse=True
+    )
+    assert torch.all(out == 0) and torch.all(torch.isneginf(lse))
+    out.sum().backward()
+    assert torch.all(torch.isfinite(q.grad))
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_lse_and_output_with_value_dim_different_from_query_dim(window):
+    gen = torch.Generator().manual_seed(6)
+    q, k = torch.randn(2, 4, 7, 12, generator=gen), torch.randn(2, 4, 7, 12, generator=gen)
+    v = torch.randn(2, 4, 7, 5, generator=gen)
+    i, j = torch.arange(7)[:, None], torch.arange(7)[None]
+    mask = (j <= i) & ((j > i - window) if window else True)
+    out, lse = attention(q, k, v, window=window, scale=0.2, return_lse=True)
+    assert out.shape == (2, 4, 7, 5)
+    scores = (q.double() @ k.double().transpose(-2, -1) * 0.2).masked_fill(~mask, float("-inf"))
+    torch.testing.assert_close(lse.double(), torch.logsumexp(scores, -1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        out.double(), _float64_attention(q, k, v, mask, scale=0.2), rtol=1e-5, atol=1e-5
+    )
+    torch.testing.assert_close(out, attention(q, k, v, window=window, scale=0.2))
+
+
+def test_positions_shift_the_causal_mask_of_a_chunk_pair():
+    """q chunk at global positions 4..7 against k chunk 0..7 equals rows 4..7 of the whole."""
+    q, k, v = _qkv((1, 4, 2, 8, 8), torch.float32, seed=7)
+    whole = attention_reference(q, k, v)
+    chunk = attention(q[:, :, 4:], k, v, q_positions=torch.arange(4, 8))
+    torch.testing.assert_close(chunk, whole[:, :, 4:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_window_and_sinks_backward_match_reference(dtype, assert_close, run_with_grads):
+    q, k, v = _qkv((1, 4, 2, 37, 24), dtype, seed=8)
+    sinks = torch.linspace(-1, 1, 4)
+    out, grads = run_with_grads(lambda *t: attention(*t, window=9, sinks=sinks), [q, k, v])
+    ref, ref_grads = run_with_grads(
+        lambda *t: attention_reference(*t, window=9, sinks=sinks), [q, k, v]
+    )
+    assert_close(out, ref, dtype, "out")
+    for name, g, rg in zip("qkv", grads, ref_grads, strict=True):
+        assert_close(g, rg, dtype, f"grad {name}")
+
+
+def test_invalid_window_and_sinks_shape_are_rejected():
+    q = torch.randn(1, 4, 4, 8)
+    with pytest.raises(ValueError, match="window"):
+        attention(q, q, q, window=0)
+    with pytest.raises(ValueError, match="sinks shape"):
+        attention(q, q, q, sinks=torch.zeros(3))
+
+
+def test_document_ids_keep_attention_inside_each_packed_document():
+    q, k, v = _qkv((2, 4, 2, 10, 8), torch.float32, seed=9)
+    docs = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2, 2, 2], [0] * 10])
+    out = attention(q, k, v, q_document_ids=docs, kv_document_ids=docs, window=3)
+    ref = attention_reference(q, k, v, q_document_ids=docs, kv_document_ids=docs, window=3)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    alone = attention_reference(q[:1, :, 3:7], k[:1, :, 3:7], v[:1, :, 3:7], window=3)
+    torch.testing.assert_close(out[:1, :, 3:7], alone, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[1:], attention(q[1:], k[1:], v[1:], window=3))
+    with pytest.raises(ValueError, match="given together"):
+        attention(q, k, v, q_document_ids=docs)

@@ -72,3 +72,26 @@ def test_no_grad_call_returns_the_same_loss(small_chunks):
 def test_linear_cross_entropy_rejects_labels_of_wrong_length():
     with pytest.raises(ValueError, match="labels shape"):
         linear_cross_entropy(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(5, dtype=int))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_z_loss_matches_reference_in_value_and_gradients(
+    dtype, small_chunks, assert_close, run_with_grads
+):
+    hidden_TD, weight_VD, labels_T = _inputs(53, 32, 131, dtype)
+    fn = lambda h, w: linear_cross_entropy(h, w, labels_T, z_loss_weight=1e-2)
+    ref_fn = lambda h, w: linear_cross_entropy_reference(h, w, labels_T, z_loss_weight=1e-2)
+    loss, grads = run_with_grads(fn, [hidden_TD, weight_VD])
+    ref_loss, ref_grads = run_with_grads(ref_fn, [hidden_TD, weight_VD])
+    assert_close(loss, ref_loss, dtype, "loss")
+    for name, g, rg in zip(["hidden", "weight"], grads, ref_grads, strict=True):
+        assert_close(g, rg, dtype, f"grad {name}")
+
+
+def test_z_loss_adds_weighted_squared_logsumexp_of_valid_tokens(small_chunks):
+    hidden_TD, weight_VD, labels_T = _inputs(29, 16, 131, torch.float64, ignore_every=4)
+    plain, _ = linear_cross_entropy(hidden_TD, weight_VD, labels_T)
+    with_z, _ = linear_cross_entropy(hidden_TD, weight_VD, labels_T, z_loss_weight=0.5)
+    lse_T = torch.logsumexp(hidden_TD @ weight_VD.T, dim=-1)
+    expected = 0.5 * lse_T[labels_T != IGNORE].square().sum()
+    torch.testing.assert_close((with_z - plain).double(), expected, rtol=1e-5, atol=1e-5)

@@ -94,3 +94,103 @@ def test_unpermute_rejects_wrong_row_count():
     plan = plan_dispatch(torch.tensor([[0, 1]]), num_experts=2)
     with pytest.raises(ValueError, match="R=2"):
         unpermute(torch.randn(3, 4), plan, torch.ones(1, 2))
+
+
+# --- planning and permutation kernels (Triton interpreter on CPU, compiled on GPU) ------
+
+from mt_ops.moe_permute import (  # noqa: E402
+    _kernel_functions_for_test,
+    permute_reference,
+    unpermute_reference,
+)
+from mt_ops.moe_plan import _run_plan_kernels_for_test, plan_dispatch_reference  # noqa: E402
+
+PLAN_FIELDS = ["tokens_per_expert_E", "sorted_token_ids_R", "sorted_slot_R", "row_of_slot_R"]
+
+
+def _assert_same_plan(got, expected):
+    for field in PLAN_FIELDS:
+        assert torch.equal(getattr(got, field).cpu(), getattr(expected, field).cpu()), field
+    if expected.tokens_per_rank_P is not None:
+        assert torch.equal(got.tokens_per_rank_P.cpu(), expected.tokens_per_rank_P.cpu())
+        assert torch.equal(got.token_to_rank_TP.cpu(), expected.token_to_rank_TP.cpu())
+
+
+# (T, E, K, P): Qwen3-like top-8 of 128, DeepSeek-V2-Lite-like top-6 of 64, no tokens,
+# top-1, a K that is not a power of two without ranks.
+PLAN_CASES = [(70, 128, 8, 8), (90, 64, 6, 4), (0, 8, 2, 2), (5, 6, 1, 3), (33, 10, 3, None)]
+
+
+@pytest.mark.parametrize("case", PLAN_CASES)
+def test_plan_kernels_equal_the_eager_plan_in_interpreter(case):
+    num_tokens, num_experts, topk, num_ranks = case
+    topk_ids_TK, _ = _routing(num_tokens, num_experts, topk, seed=5)
+    got = _run_plan_kernels_for_test(topk_ids_TK, num_experts, num_ranks)
+    _assert_same_plan(got, plan_dispatch_reference(topk_ids_TK, num_experts, num_ranks=num_ranks))
+
+
+def test_tokens_per_rank_count_each_token_once_per_rank():
+    # 4 experts on 2 ranks: token 0 picks experts 0 and 1 (both rank 0): counted once.
+    topk_ids_TK = torch.tensor([[0, 1], [1, 2], [3, 2], [0, 3]])
+    for plan in (
+        plan_dispatch(topk_ids_TK, 4, num_ranks=2),
+        _run_plan_kernels_for_test(topk_ids_TK, 4, 2),
+    ):
+        assert plan.tokens_per_rank_P.tolist() == [3, 3]
+        assert plan.token_to_rank_TP.tolist() == [[1, 0], [1, 1], [0, 1], [1, 1]]
+        assert plan.tokens_per_expert_E.tolist() == [2, 2, 2, 2]
+
+
+def test_plan_rejects_num_ranks_that_do_not_divide_experts():
+    with pytest.raises(ValueError, match="must divide num_experts"):
+        plan_dispatch(torch.tensor([[0, 1]]), num_experts=6, num_ranks=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_permute_and_unpermute_kernels_match_references_in_value_and_gradient(dtype):
+    permute_fn, unpermute_fn = _kernel_functions_for_test()
+    topk_ids_TK, weights_TK = _routing(23, 5, 3, seed=7)
+    plan = plan_dispatch(topk_ids_TK, 5)
+    tol = {torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype]
+    x = torch.randn(23, 1100).to(dtype)  # 1100: more than one column block, ragged
+    y = torch.randn(69, 1100).to(dtype)
+    runs = []
+    for perm, unperm in ((permute_fn.apply, unpermute_fn.apply),
+                         (permute_reference, unpermute_reference)):  # fmt: skip
+        x_leaf = x.clone().requires_grad_(True)
+        y_leaf = y.clone().requires_grad_(True)
+        w_leaf = weights_TK.clone().requires_grad_(True)
+        routed = perm(x_leaf, plan)
+        out = unperm(y_leaf, plan, w_leaf)
+        gen = torch.Generator().manual_seed(0)
+        routed.backward(torch.randn(routed.shape, generator=gen).to(dtype))
+        out.backward(torch.randn(out.shape, generator=gen).to(dtype))
+        runs.append([routed, out, x_leaf.grad, y_leaf.grad, w_leaf.grad])
+    for got, expected in zip(*runs, strict=True):
+        rel = float((got.double() - expected.double()).norm() / expected.double().norm())
+        assert got.dtype == expected.dtype and rel <= tol
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", [(16384, 128, 8, 8), (16384, 64, 6, 4), (3, 8, 2, None)])
+def test_plan_permute_unpermute_kernels_on_gpu_equal_references(case):
+    num_tokens, num_experts, topk, num_ranks = case
+    topk_ids_TK, weights_TK = _routing(num_tokens, num_experts, topk, seed=11)
+    topk_ids_TK, weights_TK = topk_ids_TK.cuda(), weights_TK.cuda()
+    plan = plan_dispatch(topk_ids_TK, num_experts, num_ranks=num_ranks)
+    _assert_same_plan(plan, plan_dispatch_reference(topk_ids_TK, num_experts, num_ranks=num_ranks))
+    x = torch.randn(num_tokens, 2048, device="cuda").bfloat16().requires_grad_(True)
+    routed = permute(x, plan)
+    assert torch.equal(routed, permute_reference(x.detach(), plan))
+    y = torch.randn_like(routed).requires_grad_(True)
+    w = weights_TK.clone().requires_grad_(True)
+    out = unpermute(y, plan, w)
+    y2, w2 = y.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
+    out2 = unpermute_reference(y2, plan, w2)
+    assert float((out.float() - out2.float()).norm() / out2.float().norm()) <= 1e-2
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    out2.backward(grad)
+    assert float((y.grad.float() - y2.grad.float()).norm() / y2.grad.float().norm()) <= 1e-2
+    assert float((w.grad - w2.grad).norm() / w2.grad.norm()) <= 1e-5

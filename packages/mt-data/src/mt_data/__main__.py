@@ -2,4 +2,6 @@
 
 from mt_data.cli import main
 
-raise SystemExit(main())
+# Guarded: spawned builder workers import this module again (as `__mp_main__`).
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,308 +1,184 @@
-"""Tokenize JSON Lines files into a corpus directory of Megatron indexed shards.
+"""Tokenize JSON Lines (and Parquet) files into a corpus directory of Megatron indexed shards.
 
 `build_corpus` turns each input file into one shard `<output>/<stem>.bin/.idx`, documents
-in input order, EOS appended to each, then writes `manifest.json` last. Every shard is
-written under a temporary name and renamed when complete (`IndexedDatasetWriter`), so a
-rerun after a crash skips the finished shards and redoes the rest.
+in input order, EOS appended to each, then writes `manifest.json` last.
 
-Each shard is one independent job (`_build_shard_from_jsonl` takes only picklable
-arguments and returns a `ShardSummary`), so a later version can hand the jobs to worker
-processes without changing the output.
+Work is shared below file granularity: the main process cuts every file into batches of
+about 256 KiB (`mt_data.sources`), worker processes parse and tokenize them
+(`mt_data.encode`), and the main process writes the results in submission order, so the
+output is byte-identical for any number of workers, and one huge file keeps every worker
+busy. At most `2 * workers + 2` batches are in flight, so memory does not grow with the
+size of a file or of the corpus.
+
+Resume: every shard is written under a temporary name and renamed when complete
+(`IndexedDatasetWriter`); just before that, its counts go to `.mt-data/<name>.json`.
+A rerun skips the shards that are complete (both files, a clean index and the record)
+and rebuilds the others, so the final directory is byte-identical to an uninterrupted
+build's.
 """
 
 from __future__ import annotations
 
-import hashlib
+import multiprocessing
 import os
+import signal
+import threading
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from tqdm import tqdm
+from mt_data.encode import EncodedBatch, encode_batch, init_worker, worker_encode_batch
+from mt_data.indexed import IndexedDatasetWriter, token_dtype
+from mt_data.manifest import (
+    MANIFEST_NAME,
+    corpus_manifest,
+    file_sha256,
+    read_manifest,
+    read_shard_record,
+    write_manifest,
+    write_shard_record,
+)
+from mt_data.progress import BuildProgress
+from mt_data.shards import BuildSummary, ShardSummary, finished_shard, shard_names
+from mt_data.sources import RawBatch, ReadFailure, iter_batches, resolve_inputs
+from mt_data.tokenizer import LoadedTokenizer, TokenizerSpec, load_tokenizer
 
-from mt_data.indexed import IndexedDataset, IndexedDatasetWriter, token_dtype
-from mt_data.manifest import MANIFEST_NAME, MANIFEST_VERSION, read_manifest, write_manifest
-from mt_data.sources import BadLine, input_stem, iter_jsonl, resolve_inputs
-from mt_data.tokenizer import LoadedTokenizer, load_tokenizer
-
-__all__ = [
-    "BuildSummary",
-    "CorpusError",
-    "ShardSummary",
-    "build_corpus",
-    "build_documents",
-    "corpus_manifest",
-]
+__all__ = ["BuildSummary", "CorpusError", "ShardSummary", "build_corpus", "build_documents"]
 
 OnError = Literal["skip", "fail"]
-# At most this many bad lines are kept (and printed) with file:line; all are counted.
-MAX_REPORTED_BAD_LINES = 100
-# Documents go to the tokenizer in batches (it parallelizes over the documents of a batch);
-# a batch closes at whichever limit comes first. Measured on the 11 MB stdlib set, 2 shared
-# (noisy) cores: 128 docs / 2 MiB ~13 s (a big file left a core idle), 256 / 4 MiB ~8 s at
-# 325 MB peak RSS, 512 / 8 MiB ~8-9 s at 490 MB (tokenizers' Encoding objects are large).
-_BATCH_DOCUMENTS = 256
-_BATCH_CHARACTERS = 4 << 20
-
-
-class _Progress:
-    """A tqdm bar counting documents, with tokens/s in its postfix."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.bar = tqdm(unit="doc", disable=not enabled, smoothing=0.1)
-        self.tokens = 0
-        self.start = time.perf_counter()
-
-    def add(self, documents: int, tokens: int) -> None:
-        self.tokens += tokens
-        elapsed = max(time.perf_counter() - self.start, 1e-9)
-        self.bar.set_postfix_str(f"{self.tokens / elapsed:,.0f} tok/s", refresh=False)
-        self.bar.update(documents)
-
-    def __enter__(self) -> _Progress:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.bar.close()
+# How often a worker checks that the main process is still alive.
+_ORPHAN_POLL_SECONDS = 1.0
+# Documents per in-process batch of `build_documents`.
+_DOCUMENTS_PER_BATCH = 256
 
 
 class CorpusError(ValueError):
-    """A malformed input line under `on_error="fail"`; the message names file:line."""
+    """A bad input line under `on_error="fail"`; the message names file:line."""
+
+
+def default_workers() -> int:
+    """Worker processes used when none is given: the cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 @dataclass
-class ShardSummary:
-    """What one shard holds.
+class _OpenShard:
+    """The shard being written: its writer and running counts."""
 
-    Attributes:
-        name: Shard name (`<output>/<name>.bin` and `.idx`).
-        input: The input file, or None for documents not read from a file.
-        documents: Documents written (empty documents and bad lines excluded).
-        tokens: Tokens written, EOS included.
-        bad_lines: Lines skipped as malformed; None when the shard was resumed.
-        empty_documents: Empty documents skipped; None when the shard was resumed.
-        resumed: True when the shard was already complete and was not rebuilt.
-        bad_line_examples: The first `MAX_REPORTED_BAD_LINES` bad lines, with file:line.
-    """
+    writer: IndexedDatasetWriter
+    summary: ShardSummary
+    settings: dict[str, Any]
+    record_dir: Path
+    on_error: OnError
 
-    name: str
-    input: str | None
-    documents: int = 0
-    tokens: int = 0
-    bad_lines: int | None = 0
-    empty_documents: int | None = 0
-    resumed: bool = False
-    bad_line_examples: list[BadLine] = field(default_factory=list, repr=False)
+    def add(self, encoded: EncodedBatch | ReadFailure, progress: BuildProgress) -> None:
+        bad_lines = [encoded.bad] if isinstance(encoded, ReadFailure) else encoded.bad_lines
+        for bad in bad_lines:
+            if self.on_error == "fail":
+                raise CorpusError(f"{bad}; fix the input or pass --on-error skip")
+            self.summary.count_bad(bad)
+        if isinstance(encoded, ReadFailure):
+            return
+        self.writer.add_documents(encoded.tokens, encoded.lengths)
+        self.summary.documents += int(encoded.lengths.size)
+        self.summary.tokens += int(encoded.tokens.size)
+        self.summary.empty_documents += encoded.empty_documents
+        progress.add(encoded.num_bytes, int(encoded.lengths.size), int(encoded.tokens.size))
 
-
-@dataclass
-class BuildSummary:
-    """The result of `build_corpus`.
-
-    Attributes:
-        output: The corpus directory.
-        shards: One summary per input file, in input order.
-        seconds: Wall time of the build.
-    """
-
-    output: Path
-    shards: list[ShardSummary]
-    seconds: float
-
-    @property
-    def num_documents(self) -> int:
-        """Documents in the corpus."""
-        return sum(s.documents for s in self.shards)
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens in the corpus, EOS included."""
-        return sum(s.tokens for s in self.shards)
-
-    @property
-    def num_bad_lines(self) -> int:
-        """Malformed lines skipped in this run (resumed shards are not re-read)."""
-        return sum(s.bad_lines or 0 for s in self.shards)
-
-    @property
-    def num_empty_documents(self) -> int:
-        """Empty documents skipped in this run."""
-        return sum(s.empty_documents or 0 for s in self.shards)
-
-    @property
-    def num_resumed(self) -> int:
-        """Shards found complete and not rebuilt."""
-        return sum(s.resumed for s in self.shards)
-
-    @property
-    def bad_lines(self) -> list[BadLine]:
-        """The first `MAX_REPORTED_BAD_LINES` malformed lines, with file and line."""
-        examples = [b for s in self.shards for b in s.bad_line_examples]
-        return examples[:MAX_REPORTED_BAD_LINES]
-
-    @property
-    def manifest_path(self) -> Path:
-        """The corpus's manifest.json."""
-        return self.output / MANIFEST_NAME
+    def finish(self) -> ShardSummary:
+        # The record first: a final .idx then always has one (a record without a
+        # finished shard is simply rewritten by the rerun).
+        write_shard_record(self.record_dir, self.summary, self.settings)
+        self.writer.finalize()
+        return self.summary
 
 
-def _write_shard(
-    items: Iterable[str | BadLine],
+def _tasks(jobs: Sequence[tuple[Path, Path]], text_key: str) -> Iterator[tuple[int, Any]]:
+    """(job index, RawBatch | ReadFailure) over every job in order, then (index, None)."""
+    for index, (path, _) in enumerate(jobs):
+        for item in iter_batches(path, text_key):
+            yield index, item
+        yield index, None
+
+
+def _exit_when_orphaned(parent: int) -> None:
+    while True:
+        time.sleep(_ORPHAN_POLL_SECONDS)
+        if os.getppid() != parent:
+            os._exit(1)
+
+
+def _init_builder_worker(spec: TokenizerSpec, text_key: str) -> None:
+    # Ctrl-C goes to the whole process group; the main process handles it and stops us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A worker waits on a queue it also holds a write end of, so it would sleep forever
+    # after `kill -9` of the main process: watch the parent and leave with it.
+    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
+    init_worker(spec, text_key)
+
+
+def _run_jobs(
+    jobs: Sequence[tuple[Path, Path]],
+    spec: TokenizerSpec,
     tokenizer: LoadedTokenizer,
-    output_prefix: Path,
-    summary: ShardSummary,
-    on_error: OnError,
-    progress: _Progress,
-) -> ShardSummary:
-    """Tokenize `items` into one shard; fills and returns `summary`."""
-    with IndexedDatasetWriter(output_prefix, token_dtype(tokenizer.vocab_size)) as writer:
-        batch: list[str] = []
-        batch_chars = 0
-
-        def flush() -> None:
-            nonlocal batch_chars
-            tokens_before = summary.tokens
-            for ids in tokenizer.encode_batch(batch):
-                if not ids:
-                    summary.empty_documents += 1
-                    continue
-                ids.append(tokenizer.eos_id)
-                writer.add_document(ids)
-                summary.documents += 1
-                summary.tokens += len(ids)
-            progress.add(len(batch), summary.tokens - tokens_before)
-            batch.clear()
-            batch_chars = 0
-
-        for item in items:
-            if isinstance(item, BadLine):
-                if on_error == "fail":
-                    raise CorpusError(f"{item}; fix the line or pass on_error='skip'")
-                summary.bad_lines += 1
-                if len(summary.bad_line_examples) < MAX_REPORTED_BAD_LINES:
-                    summary.bad_line_examples.append(item)
-                continue
-            if not item:
-                summary.empty_documents += 1
-                continue
-            batch.append(item)
-            batch_chars += len(item)
-            if len(batch) >= _BATCH_DOCUMENTS or batch_chars >= _BATCH_CHARACTERS:
-                flush()
-        if batch:
-            flush()
-    return summary
-
-
-def build_documents(
-    documents: Iterable[str],
-    tokenizer: str | Path | LoadedTokenizer,
-    output_prefix: str | Path,
-    *,
-    progress: bool = False,
-) -> ShardSummary:
-    """Tokenize in-memory documents into one shard (`<output_prefix>.bin/.idx`).
-
-    Empty documents are skipped and counted; EOS is appended to every other one.
-
-    Args:
-        documents: Document texts, in the order they are written.
-        tokenizer: A tokenizer.json, a directory holding one, or a loaded tokenizer.
-        output_prefix: Shard path without extension; its directory must exist.
-        progress: Show a tqdm progress bar.
-
-    Returns:
-        What the shard holds.
-    """
-    if not isinstance(tokenizer, LoadedTokenizer):
-        tokenizer = load_tokenizer(tokenizer)
-    summary = ShardSummary(name=Path(output_prefix).name, input=None)
-    with _Progress(progress) as bar:
-        bar.bar.set_description(summary.name)
-        return _write_shard(documents, tokenizer, Path(output_prefix), summary, "fail", bar)
-
-
-def _build_shard_from_jsonl(
-    input_path: Path,
-    tokenizer: LoadedTokenizer,
-    output_prefix: Path,
+    settings: dict[str, Any],
     text_key: str,
     on_error: OnError,
-    bar: _Progress,
-) -> ShardSummary:
-    summary = ShardSummary(name=output_prefix.name, input=str(input_path))
-    bar.bar.set_description(output_prefix.name)
-    return _write_shard(
-        iter_jsonl(input_path, text_key), tokenizer, output_prefix, summary, on_error, bar
-    )
+    workers: int,
+    progress: BuildProgress,
+) -> list[ShardSummary]:
+    """Build the shards of `jobs` ((input, output prefix) pairs), in order."""
+    executor = None
+    if workers > 0 and jobs:
+        executor = ProcessPoolExecutor(
+            max_workers=workers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_init_builder_worker,
+            initargs=(spec, text_key),
+        )
+    max_in_flight = 2 * workers + 2 if executor else 1
+    pending: deque[tuple[int, Any]] = deque()
+    summaries: list[ShardSummary] = []
+    current: _OpenShard | None = None
+    dtype = token_dtype(tokenizer.vocab_size)
 
+    def handle(index: int, value: Any) -> None:
+        nonlocal current
+        path, prefix = jobs[index]
+        if current is None:
+            progress.describe(prefix.name)
+            summary = ShardSummary(name=prefix.name, input=str(path))
+            writer = IndexedDatasetWriter(prefix, dtype)
+            current = _OpenShard(writer, summary, settings, prefix.parent, on_error)
+        if value is None:
+            summaries.append(current.finish())
+            current = None
+        else:
+            current.add(value.result() if isinstance(value, Future) else value, progress)
 
-def _shard_names(files: Sequence[Path]) -> list[str]:
-    """`<stem>` per file; stems shared by several inputs get a hash of the full path."""
-    stems = [input_stem(f) for f in files]
-    counts: dict[str, int] = {}
-    for stem in stems:
-        counts[stem] = counts.get(stem, 0) + 1
-    return [
-        stem if counts[stem] == 1 else f"{stem}-{hashlib.sha1(str(f).encode()).hexdigest()[:8]}"
-        for stem, f in zip(stems, files, strict=True)
-    ]
-
-
-def _finished_shard(prefix: Path, tokenizer: LoadedTokenizer) -> IndexedDataset | None:
-    """The shard at `prefix` if both final files exist and its index reads cleanly."""
-    if not (Path(f"{prefix}.idx").is_file() and Path(f"{prefix}.bin").is_file()):
-        return None
     try:
-        shard = IndexedDataset(prefix)
-    except ValueError:
-        return None  # torn or foreign: rebuild it
-    return shard if shard.dtype == token_dtype(tokenizer.vocab_size) else None
-
-
-def _file_sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def corpus_manifest(
-    tokenizer: LoadedTokenizer, shards: Sequence[ShardSummary], **extra: Any
-) -> dict[str, Any]:
-    """The `manifest.json` content describing a corpus built with `tokenizer`.
-
-    Args:
-        tokenizer: The tokenizer the shards were built with.
-        shards: The shards, in order.
-        **extra: Further fields (say `text_key`, `inputs`, `source`).
-
-    Returns:
-        A JSON-serializable dict; it has no timestamps, so a rebuild writes the same bytes.
-    """
-    return {
-        "format": "megatron-indexed",
-        "format_version": MANIFEST_VERSION,
-        "tokenizer": str(tokenizer.path),
-        "tokenizer_sha256": _file_sha256(tokenizer.path),
-        "vocab_size": tokenizer.vocab_size,
-        "eos_token": tokenizer.eos_token,
-        "eos_id": tokenizer.eos_id,
-        "dtype": str(token_dtype(tokenizer.vocab_size)),
-        "shards": [
-            {
-                "name": s.name,
-                "input": s.input,
-                "documents": s.documents,
-                "tokens": s.tokens,
-                "bad_lines": s.bad_lines,
-                "empty_documents": s.empty_documents,
-            }
-            for s in shards
-        ],
-        "num_documents": sum(s.documents for s in shards),
-        "num_tokens": sum(s.tokens for s in shards),
-        **extra,
-    }
+        for index, item in _tasks(jobs, text_key):
+            if isinstance(item, RawBatch):
+                path = str(jobs[index][0])
+                if executor is not None:
+                    item = executor.submit(worker_encode_batch, item, path)
+                else:
+                    item = encode_batch(item, tokenizer, text_key, path)
+            pending.append((index, item))
+            while len(pending) > max_in_flight:
+                handle(*pending.popleft())
+        while pending:
+            handle(*pending.popleft())
+    finally:
+        if current is not None:
+            current.writer.abort()
+        if executor is not None:
+            executor.shutdown(wait=True, cancel_futures=True)
+    return summaries
 
 
 def build_corpus(
@@ -312,69 +188,134 @@ def build_corpus(
     *,
     text_key: str = "text",
     on_error: OnError = "skip",
+    workers: int | None = None,
+    eos_token: str | None = None,
+    bos: bool | str = False,
     progress: bool = True,
 ) -> BuildSummary:
-    """Tokenize JSON Lines inputs into a corpus directory, one shard per input file.
+    """Tokenize input files into a corpus directory, one shard per input file.
 
     Args:
-        inputs: Files, directories or glob patterns of `.jsonl`, `.jsonl.zst`, `.jsonl.zstd`.
+        inputs: Files, directories or glob patterns of `.jsonl`, `.jsonl.zst`,
+            `.jsonl.zstd` and (with pyarrow installed) `.parquet`.
         tokenizer: A tokenizer.json, or a directory holding tokenizer.json (and a
             tokenizer_config.json naming `eos_token`).
         output: The corpus directory; created if missing. Shards already complete in it
             are kept, so rerunning an interrupted build resumes it.
-        text_key: The JSON field holding each document's text.
-        on_error: "skip" counts malformed lines and reports them with file:line;
-            "fail" raises `CorpusError` at the first one.
-        progress: Show a tqdm progress bar (documents/s, tokens/s) on stderr.
+        text_key: The JSON field (Parquet column) holding each document's text.
+        on_error: "skip" counts bad lines and reports them with file:line; "fail"
+            raises `CorpusError` at the first one, leaving that shard unwritten.
+        workers: Tokenizer worker processes; None uses every available core, 0 works in
+            this process (with the tokenizer's own threads). The output does not depend
+            on it.
+        eos_token: EOS token text, overriding tokenizer_config.json.
+        bos: Prepend BOS to each document: False, True (config's `bos_token`), or its text.
+        progress: Show a progress bar (MB/s, ETA, documents/s, tokens/s) on stderr.
 
     Returns:
         Counts per shard, bad-line examples and the wall time.
 
     Raises:
-        ValueError: On bad arguments or inputs; `CorpusError` (a ValueError) on a
-            malformed line when `on_error="fail"`; if `output` already holds a corpus
-            built with a different tokenizer.
+        ValueError: On bad arguments or inputs; `CorpusError` (a ValueError) on a bad
+            line when `on_error="fail"`; if `output` already holds a corpus built with
+            other settings.
     """
     if on_error not in ("skip", "fail"):
         raise ValueError(f"on_error ({on_error!r}) must be 'skip' or 'fail'")
     if not isinstance(text_key, str) or not text_key:
         raise ValueError(f"text_key ({text_key!r}) must be a non-empty string")
+    workers = default_workers() if workers is None else workers
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+        raise ValueError(f"workers ({workers!r}) must be an integer >= 0 (0: no worker process)")
     start = time.perf_counter()
-    loaded = load_tokenizer(tokenizer)
+    spec = TokenizerSpec(str(Path(tokenizer).expanduser().resolve()), eos_token, bos)
+    loaded = load_tokenizer(spec.path, eos_token=eos_token, bos=bos)
     files = resolve_inputs(inputs)
     out = Path(output).expanduser()
     if out.exists() and not out.is_dir():
         raise ValueError(f"output {out} exists and is not a directory; choose another path")
     out.mkdir(parents=True, exist_ok=True)
+    settings = {
+        "tokenizer_sha256": file_sha256(loaded.path),
+        "eos_id": loaded.eos_id,
+        "bos_id": loaded.bos_id,
+        "text_key": text_key,
+    }
     previous = read_manifest(out)
-    if previous is not None and previous.get("tokenizer_sha256") != _file_sha256(loaded.path):
+    if previous is not None and previous.get("tokenizer_sha256") != settings["tokenizer_sha256"]:
         raise ValueError(
             f"{out / MANIFEST_NAME}: this directory holds a corpus built with tokenizer "
             f"{previous.get('tokenizer')}, not {loaded.path}; choose a new output directory"
         )
 
-    shards: list[ShardSummary] = []
-    with _Progress(progress) as bar:
-        for path, name in zip(files, _shard_names(files), strict=True):
-            prefix = out / name
-            finished = _finished_shard(prefix, loaded)
-            if finished is not None:
-                shards.append(
-                    ShardSummary(
-                        name=name,
-                        input=str(path),
-                        documents=len(finished),
-                        tokens=finished.num_tokens,
-                        bad_lines=None,
-                        empty_documents=None,
-                        resumed=True,
-                    )
-                )
-                continue
-            shards.append(_build_shard_from_jsonl(path, loaded, prefix, text_key, on_error, bar))
+    done: dict[int, ShardSummary] = {}
+    jobs: list[tuple[Path, Path]] = []
+    for i, (path, name) in enumerate(zip(files, shard_names(files), strict=True)):
+        record = read_shard_record(out, name)
+        summary = finished_shard(out / name, record, settings, token_dtype(loaded.vocab_size))
+        if summary is not None:
+            done[i] = summary
+        else:
+            jobs.append((path, out / name))
+    total_bytes = sum(path.stat().st_size for path, _ in jobs)
+    with BuildProgress(total_bytes, progress) as bar:
+        built = iter(_run_jobs(jobs, spec, loaded, settings, text_key, on_error, workers, bar))
+    shards = [done[i] if i in done else next(built) for i in range(len(files))]
 
     manifest = corpus_manifest(
-        loaded, shards, text_key=text_key, inputs=[str(f) for f in files], source="jsonl"
+        loaded, shards, text_key=text_key, inputs=[str(f) for f in files], source="files"
     )
     write_manifest(out, manifest)
     return BuildSummary(output=out, shards=shards, seconds=time.perf_counter() - start)
+
+
+def build_documents(
+    documents: Iterable[str],
+    tokenizer: str | Path | LoadedTokenizer,
+    output_prefix: str | Path,
+    *,
+    progress: bool = False,
+) -> ShardSummary:
+    """Tokenize in-memory documents into one shard (`<output_prefix>.bin/.idx`), in-process.
+
+    Empty documents are skipped and counted; EOS is appended to every other one.
+
+    Args:
+        documents: Document texts, in the order they are written.
+        tokenizer: A tokenizer.json, a directory holding one, or a loaded tokenizer.
+        output_prefix: Shard path without extension; its directory must exist.
+        progress: Show a progress bar.
+
+    Returns:
+        What the shard holds.
+    """
+    if not isinstance(tokenizer, LoadedTokenizer):
+        tokenizer = load_tokenizer(tokenizer)
+    prefix = Path(output_prefix)
+    summary = ShardSummary(name=prefix.name, input=None)
+
+    def batches() -> Iterator[RawBatch]:
+        batch: list[str] = []
+        for text in documents:
+            batch.append(text)
+            if len(batch) == _DOCUMENTS_PER_BATCH:
+                yield RawBatch(1, batch, "text", sum(len(t) for t in batch))
+                batch = []
+        if batch:
+            yield RawBatch(1, batch, "text", sum(len(t) for t in batch))
+
+    with (
+        BuildProgress(0, progress) as bar,
+        IndexedDatasetWriter(prefix, token_dtype(tokenizer.vocab_size)) as writer,
+    ):
+        bar.describe(prefix.name)
+        for raw in batches():
+            encoded = encode_batch(raw, tokenizer, "text", "<documents>")
+            if encoded.bad_lines:
+                raise ValueError(f"build_documents: {encoded.bad_lines[0].reason}")
+            writer.add_documents(encoded.tokens, encoded.lengths)
+            summary.documents += int(encoded.lengths.size)
+            summary.tokens += int(encoded.tokens.size)
+            summary.empty_documents += encoded.empty_documents
+            bar.add(encoded.num_bytes, int(encoded.lengths.size), int(encoded.tokens.size))
+    return summary

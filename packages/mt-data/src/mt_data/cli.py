@@ -1,7 +1,9 @@
-"""The `mt-data` command: build corpora from JSON Lines, or build the default corpus.
+"""The `mt-data` command: build corpora, inspect them, or build the default corpus.
 
-    mt-data build INPUT... --tokenizer TOKENIZER --output DIR [--text-key text]
-                           [--on-error skip|fail] [--no-progress]
+    mt-data build INPUT... --tokenizer TOKENIZER --output DIR [--workers N]
+                           [--text-key text] [--on-error skip|fail] [--eos-token TOKEN]
+                           [--bos [TOKEN]] [--no-progress]
+    mt-data inspect PATH [--tokenizer TOKENIZER] [--documents 1] [--characters 300]
     mt-data build-default --output DIR
 
 User mistakes print one line on stderr and exit with status 2, never a traceback.
@@ -12,9 +14,11 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from concurrent.futures.process import BrokenProcessPool
 
 from mt_data.build import build_corpus
 from mt_data.default_corpus import build_default_corpus
+from mt_data.inspection import inspect_corpus
 from mt_data.manifest import read_manifest
 
 __all__ = ["main"]
@@ -34,10 +38,11 @@ def _parser() -> argparse.ArgumentParser:
         "build",
         help="tokenize .jsonl / .jsonl.zst files into a corpus directory",
         description=(
-            "Tokenize JSON Lines files (.jsonl, .jsonl.zst, .jsonl.zstd) into DIR, one "
-            "<stem>.bin/.idx shard per input file, EOS appended to every document, then "
-            "write DIR/manifest.json. Shards already complete in DIR are skipped, so "
-            "rerunning an interrupted build resumes it."
+            "Tokenize JSON Lines files (.jsonl, .jsonl.zst, .jsonl.zstd) and Parquet files "
+            "(with pyarrow installed) into DIR, one <stem>.bin/.idx shard per input file in "
+            "Megatron-LM's indexed format, EOS appended to every document, then write "
+            "DIR/manifest.json. Shards already complete in DIR are skipped, so rerunning "
+            "an interrupted build resumes it; the result is the same bytes whatever N is."
         ),
     )
     build.add_argument(
@@ -58,7 +63,43 @@ def _parser() -> argparse.ArgumentParser:
         default="skip",
         help="on a malformed line: skip and report it with file:line (default), or stop",
     )
+    build.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tokenizer worker processes (default: one per core; 0: none, tokenize in-process)",
+    )
+    build.add_argument(
+        "--eos-token", default=None, help="EOS token text (default: tokenizer_config.json's)"
+    )
+    build.add_argument(
+        "--bos",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="TOKEN",
+        help="prepend BOS to every document (tokenizer_config.json's bos_token, or TOKEN)",
+    )
     build.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+    inspect = commands.add_parser(
+        "inspect",
+        help="print a corpus's shards, documents, tokens and dtype, and decode a sample",
+        description=(
+            "Print each shard of a corpus directory (or one Megatron shard prefix) with its "
+            "documents, tokens and dtype, then decode the first documents with the "
+            "tokenizer named in manifest.json (or --tokenizer)."
+        ),
+    )
+    inspect.add_argument("path", metavar="PATH", help="corpus directory or shard prefix")
+    inspect.add_argument("--tokenizer", default=None, help="tokenizer.json or its directory")
+    inspect.add_argument(
+        "--documents", type=int, default=1, help="documents to decode (default: 1)"
+    )
+    inspect.add_argument(
+        "--characters", type=int, default=300, help="characters shown per document"
+    )
 
     default = commands.add_parser(
         "build-default",
@@ -80,6 +121,9 @@ def _run_build(args: argparse.Namespace) -> int:
         args.output,
         text_key=args.text_key,
         on_error=args.on_error,
+        workers=args.workers,
+        eos_token=args.eos_token,
+        bos=args.bos,
         progress=not args.no_progress,
     )
     for bad in summary.bad_lines[:_PRINTED_BAD_LINES]:
@@ -94,6 +138,22 @@ def _run_build(args: argparse.Namespace) -> int:
         f"complete), {summary.num_documents:,} documents, {summary.num_tokens:,} tokens, "
         f"{summary.num_bad_lines} bad lines, {summary.num_empty_documents} empty documents "
         f"skipped, {summary.seconds:.1f} s"
+    )
+    if summary.bad_lines_by_kind:
+        kinds = ", ".join(f"{kind} {n}" for kind, n in summary.bad_lines_by_kind.items())
+        print(f"bad lines by kind: {kinds}")
+    print(f"manifest: {summary.manifest_path}")
+    return 0
+
+
+def _run_inspect(args: argparse.Namespace) -> int:
+    print(
+        inspect_corpus(
+            args.path,
+            tokenizer=args.tokenizer,
+            documents=args.documents,
+            characters=args.characters,
+        )
     )
     return 0
 
@@ -122,10 +182,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "build":
             return _run_build(args)
+        if args.command == "inspect":
+            return _run_inspect(args)
         return _run_build_default(args)
     except (ValueError, OSError) as e:  # FileNotFoundError, CorpusError, ... are in here
         print(f"mt-data {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenProcessPool:
+        print(
+            f"mt-data {args.command}: error: a tokenizer worker process died (out of memory? "
+            "killed?); rerun the same command to resume, with fewer --workers if memory is short",
+            file=sys.stderr,
+        )
+        return 1
     except KeyboardInterrupt:
         print("mt-data: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130

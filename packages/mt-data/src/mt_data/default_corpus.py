@@ -21,8 +21,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from mt_data.build import build_documents, corpus_manifest
-from mt_data.manifest import MANIFEST_NAME, write_manifest
+from mt_data.build import build_documents
+from mt_data.manifest import MANIFEST_NAME, MANIFEST_VERSION, corpus_manifest, write_manifest
 from mt_data.tokenizer import load_tokenizer
 
 __all__ = [
@@ -105,8 +105,9 @@ def iter_default_documents() -> Iterator[str]:
 
 
 def _corpus_key() -> str:
-    """Short hash of the tokenizer bytes and the (relative path, size) file list."""
+    """Short hash of the tokenizer bytes, the manifest layout and the (path, size) file list."""
     digest = hashlib.sha256(default_tokenizer_path().read_bytes())
+    digest.update(f"manifest-{MANIFEST_VERSION}".encode())  # a new layout rebuilds the cache
     root = _stdlib_root()
     for path in default_document_paths():
         digest.update(f"\0{path.relative_to(root).as_posix()}\0{path.stat().st_size}".encode())

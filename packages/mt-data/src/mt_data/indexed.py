@@ -68,6 +68,8 @@ _CODE_OF_DTYPE = {dtype: code for code, dtype in DTYPE_CODES.items()}
 
 # Megatron's threshold: vocabularies below it fit uint16 with room for a few added tokens.
 _UINT16_VOCAB_LIMIT = 65500
+# Documents per step when finalize derives pointers from lengths (8 MiB of int64 each).
+_FINALIZE_CHUNK = 1 << 20
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -116,6 +118,10 @@ class IndexedDatasetWriter:
             for tokens in documents:
                 writer.add_document(tokens)
 
+    Memory stays bounded whatever the shard's size: tokens go straight to `<prefix>.bin.tmp`
+    and the document lengths to `<prefix>.idx.tmp` (where the index keeps them), and
+    `finalize` derives the pointers and document indices from them in chunks.
+
     Args:
         path_prefix: Output path without extension; the directory must exist.
         dtype: Token dtype, one of Megatron's (`token_dtype(vocab_size)` picks it).
@@ -140,7 +146,9 @@ class IndexedDatasetWriter:
         self._bin_tmp = self.bin_path.with_name(self.bin_path.name + ".tmp")
         self._idx_tmp = self.idx_path.with_name(self.idx_path.name + ".tmp")
         self._bin_file = open(self._bin_tmp, "wb")  # noqa: SIM115 (closed in finalize/abort)
-        self._lengths: list[int] = []
+        self._idx_file = open(self._idx_tmp, "w+b")  # noqa: SIM115 (closed in finalize/abort)
+        self._idx_file.write(b"\0" * _HEADER.size)  # the header is written last
+        self._num_documents = 0
         self._done = False
         if np.issubdtype(self.dtype, np.integer):
             info = np.iinfo(self.dtype)
@@ -151,7 +159,7 @@ class IndexedDatasetWriter:
     @property
     def num_documents(self) -> int:
         """Number of documents added so far."""
-        return len(self._lengths)
+        return self._num_documents
 
     def add_document(self, tokens: Iterable[int] | np.ndarray) -> None:
         """Append one document as one sequence.
@@ -163,20 +171,43 @@ class IndexedDatasetWriter:
             ValueError: If a token id does not fit the writer's dtype, or the writer is
                 already finalized.
         """
-        if self._done:
-            raise ValueError(f"writer for {self.idx_path} is already finalized or aborted")
         array = np.asarray(tokens if isinstance(tokens, np.ndarray) else list(tokens))
         if array.ndim != 1:
             raise ValueError(f"tokens must be one-dimensional, got shape {array.shape}")
-        if array.size and self._bounds is not None:
-            low, high = int(array.min()), int(array.max())
+        self.add_documents(array, np.array([array.size], dtype=np.int64))
+
+    def add_documents(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        """Append several documents given back to back, one sequence each.
+
+        Args:
+            tokens: 1-D token ids of all the documents, concatenated.
+            lengths: 1-D tokens per document; sums to `len(tokens)`.
+
+        Raises:
+            ValueError: If the lengths do not add up, a length or token id does not fit
+                the format, or the writer is already finalized.
+        """
+        if self._done:
+            raise ValueError(f"writer for {self.idx_path} is already finalized or aborted")
+        tokens = np.asarray(tokens)
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if tokens.ndim != 1 or lengths.ndim != 1 or int(lengths.sum()) != tokens.size:
+            raise ValueError(
+                f"lengths (sum {int(lengths.sum())}) must add up to the {tokens.size} tokens, "
+                "both one-dimensional"
+            )
+        if lengths.size and (lengths.min() < 0 or lengths.max() > np.iinfo(np.int32).max):
+            raise ValueError("document lengths must be in [0, 2**31); split longer documents")
+        if tokens.size and self._bounds is not None:
+            low, high = int(tokens.min()), int(tokens.max())
             if low < self._bounds[0] or high > self._bounds[1]:
                 raise ValueError(
                     f"token ids in [{low}, {high}] do not fit {self.dtype} "
                     f"(range {self._bounds}); pick the dtype with token_dtype(vocab_size)"
                 )
-        self._bin_file.write(array.astype(self.dtype, copy=False).tobytes())
-        self._lengths.append(int(array.size))
+        self._bin_file.write(tokens.astype(self.dtype, copy=False).tobytes())
+        self._idx_file.write(lengths.astype("<i4").tobytes())
+        self._num_documents += int(lengths.size)
 
     def finalize(self) -> None:
         """Write the index, fsync both files, rename them into place, fsync the directory.
@@ -191,25 +222,7 @@ class IndexedDatasetWriter:
             self._bin_file.flush()
             os.fsync(self._bin_file.fileno())
             self._bin_file.close()
-            lengths = np.asarray(self._lengths, dtype=np.int32)
-            pointers = np.zeros(len(lengths), dtype=np.int64)
-            np.cumsum(lengths[:-1], dtype=np.int64, out=pointers[1:])
-            pointers *= self.dtype.itemsize
-            document_indices = np.arange(len(lengths) + 1, dtype=np.int64)
-            with open(self._idx_tmp, "wb") as f:
-                header = _HEADER.pack(
-                    INDEX_MAGIC,
-                    INDEX_VERSION,
-                    _CODE_OF_DTYPE[self.dtype],
-                    len(lengths),
-                    len(document_indices),
-                )
-                f.write(header)
-                f.write(lengths.tobytes())
-                f.write(pointers.tobytes())
-                f.write(document_indices.tobytes())
-                f.flush()
-                os.fsync(f.fileno())
+            self._write_index_tail()
             # .bin first, .idx last: a final .idx (with its .bin) means a finished shard.
             os.replace(self._bin_tmp, self.bin_path)
             os.replace(self._idx_tmp, self.idx_path)
@@ -218,14 +231,41 @@ class IndexedDatasetWriter:
             self._remove_temporaries()
             raise
 
+    def _write_index_tail(self) -> None:
+        """Append pointers and document indices after the lengths, then the header."""
+        f = self._idx_file
+        n = self._num_documents
+        f.flush()
+        offset = 0  # byte offset of the next sequence in .bin
+        for first in range(0, n, _FINALIZE_CHUNK):
+            count = min(_FINALIZE_CHUNK, n - first)
+            f.seek(_HEADER.size + 4 * first)
+            lengths = np.frombuffer(f.read(4 * count), dtype="<i4").astype(np.int64)
+            pointers = np.empty(count, dtype="<i8")
+            pointers[0] = offset
+            np.cumsum(lengths[:-1] * self.dtype.itemsize, out=pointers[1:])
+            pointers[1:] += offset
+            offset += int(lengths.sum()) * self.dtype.itemsize
+            f.seek(0, os.SEEK_END)
+            f.write(pointers.tobytes())
+        for first in range(0, n + 1, _FINALIZE_CHUNK):
+            count = min(_FINALIZE_CHUNK, n + 1 - first)
+            f.write(np.arange(first, first + count, dtype="<i8").tobytes())
+        f.seek(0)
+        f.write(_HEADER.pack(INDEX_MAGIC, INDEX_VERSION, _CODE_OF_DTYPE[self.dtype], n, n + 1))
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+
     def abort(self) -> None:
         """Close and delete the temporary files; the final names are left untouched."""
         self._done = True
         self._remove_temporaries()
 
     def _remove_temporaries(self) -> None:
-        if not self._bin_file.closed:
-            self._bin_file.close()
+        for f in (self._bin_file, self._idx_file):
+            if not f.closed:
+                f.close()
         for tmp in (self._bin_tmp, self._idx_tmp):
             tmp.unlink(missing_ok=True)
 

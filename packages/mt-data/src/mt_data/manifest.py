@@ -1,23 +1,164 @@
-"""`manifest.json`: what a corpus directory holds, written last and atomically.
+"""`manifest.json` and the per-shard build records, all written atomically.
 
 A corpus directory is complete when its `manifest.json` exists: the builder writes it
-after every shard is in place, through a temporary file, fsync and rename.
+after every shard is in place, through a temporary file, fsync and rename. Each shard's
+counts are also kept in `.mt-data/<name>.json`, written just before the shard is renamed
+into place, so a resumed build reports (and writes into the manifest) the same counts
+as an uninterrupted one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mt_data.indexed import fsync_directory
+from mt_data.indexed import fsync_directory, token_dtype
 
-__all__ = ["MANIFEST_NAME", "MANIFEST_VERSION", "read_manifest", "write_manifest"]
+if TYPE_CHECKING:
+    from mt_data.shards import ShardSummary
+    from mt_data.tokenizer import LoadedTokenizer
+
+__all__ = [
+    "MANIFEST_NAME",
+    "MANIFEST_VERSION",
+    "RECORD_DIR",
+    "corpus_manifest",
+    "file_sha256",
+    "read_manifest",
+    "read_shard_record",
+    "write_manifest",
+    "write_shard_record",
+]
 
 MANIFEST_NAME = "manifest.json"
 # Version of the manifest's layout (the shards themselves are Megatron index version 1).
-MANIFEST_VERSION = 1
+# 2: bad lines per kind, BOS, build records in .mt-data/.
+MANIFEST_VERSION = 2
+# Per-shard build records, hidden so that globbing the corpus directory finds only shards.
+RECORD_DIR = ".mt-data"
+
+
+def file_sha256(path: str | Path) -> str:
+    """SHA-256 of a file's bytes, read in chunks.
+
+    Args:
+        path: The file.
+
+    Returns:
+        The hex digest.
+    """
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _write_json_atomic(path: Path, data: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_directory(path.parent)
+
+
+def write_shard_record(
+    directory: str | Path, summary: ShardSummary, settings: dict[str, Any]
+) -> Path:
+    """Write a shard's build record `.mt-data/<name>.json` atomically.
+
+    Args:
+        directory: The corpus directory.
+        summary: The shard's counts.
+        settings: The build settings it was made with.
+
+    Returns:
+        The record's path.
+    """
+    records = Path(directory) / RECORD_DIR
+    records.mkdir(exist_ok=True)
+    path = records / f"{summary.name}.json"
+    _write_json_atomic(path, {"settings": settings, "summary": summary.to_json()})
+    return path
+
+
+def read_shard_record(directory: str | Path, name: str) -> dict[str, Any] | None:
+    """A shard's build record, or None if it is missing or unreadable.
+
+    Args:
+        directory: The corpus directory.
+        name: The shard name.
+
+    Returns:
+        The record (`settings`, `summary`), or None.
+    """
+    path = Path(directory) / RECORD_DIR / f"{name}.json"
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    ok = isinstance(record, dict) and {"settings", "summary"} <= set(record)
+    return record if ok else None
+
+
+def corpus_manifest(
+    tokenizer: LoadedTokenizer, shards: Sequence[ShardSummary], **extra: Any
+) -> dict[str, Any]:
+    """The `manifest.json` content describing a corpus built with `tokenizer`.
+
+    Args:
+        tokenizer: The tokenizer the shards were built with.
+        shards: The shards, in order.
+        **extra: Further fields (say `text_key`, `inputs`, `source`).
+
+    Returns:
+        A JSON-serializable dict; it has no timestamps, so a rebuild writes the same bytes.
+    """
+    kinds: dict[str, int] = {}
+    for s in shards:
+        for kind, n in s.bad_lines_by_kind.items():
+            kinds[kind] = kinds.get(kind, 0) + n
+    return {
+        "format": "megatron-indexed",
+        "format_version": MANIFEST_VERSION,
+        "tokenizer": str(tokenizer.path),
+        "tokenizer_sha256": file_sha256(tokenizer.path),
+        "vocab_size": tokenizer.vocab_size,
+        "eos_token": tokenizer.eos_token,
+        "eos_id": tokenizer.eos_id,
+        "bos_token": tokenizer.bos_token,
+        "bos_id": tokenizer.bos_id,
+        "dtype": str(token_dtype(tokenizer.vocab_size)),
+        "shards": [
+            {
+                "name": s.name,
+                "input": s.input,
+                "documents": s.documents,
+                "tokens": s.tokens,
+                "bad_lines": s.bad_lines,
+                "bad_lines_by_kind": dict(sorted(s.bad_lines_by_kind.items())),
+                "empty_documents": s.empty_documents,
+            }
+            for s in shards
+        ],
+        "num_documents": sum(s.documents for s in shards),
+        "num_tokens": sum(s.tokens for s in shards),
+        "num_bad_lines": sum(s.bad_lines for s in shards),
+        "bad_lines_by_kind": dict(sorted(kinds.items())),
+        "num_empty_documents": sum(s.empty_documents for s in shards),
+        **extra,
+    }
 
 
 def write_manifest(directory: str | Path, manifest: dict[str, Any]) -> Path:
@@ -30,20 +171,8 @@ def write_manifest(directory: str | Path, manifest: dict[str, Any]) -> Path:
     Returns:
         The manifest's path.
     """
-    directory = Path(directory)
-    path = directory / MANIFEST_NAME
-    tmp = directory / (MANIFEST_NAME + ".tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(manifest, f, indent=2, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_directory(directory)
+    path = Path(directory) / MANIFEST_NAME
+    _write_json_atomic(path, manifest)
     return path
 
 

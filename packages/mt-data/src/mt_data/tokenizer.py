@@ -1,4 +1,9 @@
-"""Load a Hugging Face `tokenizers` tokenizer and find its end-of-document token."""
+"""Load a Hugging Face `tokenizers` tokenizer and find its end-of-document token.
+
+Document text is encoded as plain text: a literal `<|endoftext|>` inside a document is
+tokenized as the characters it is made of, never as the EOS id (the tokenizer's
+`encode_special_tokens` is switched on), so only the builder decides where documents end.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +13,26 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-__all__ = ["FALLBACK_EOS_TOKENS", "LoadedTokenizer", "load_tokenizer"]
+__all__ = ["FALLBACK_EOS_TOKENS", "LoadedTokenizer", "TokenizerSpec", "load_tokenizer"]
 
 # Tried in order when no tokenizer_config.json names the EOS token.
 FALLBACK_EOS_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """How to load a tokenizer: picklable, so worker processes can load the same one.
+
+    Attributes:
+        path: A tokenizer.json or a directory holding one.
+        eos_token: EOS override; None takes `eos_token` of tokenizer_config.json.
+        bos: Prepend a BOS token: False, True (`bos_token` of tokenizer_config.json),
+            or the token's text.
+    """
+
+    path: str
+    eos_token: str | None = None
+    bos: bool | str = False
 
 
 @dataclass(frozen=True)
@@ -24,6 +45,8 @@ class LoadedTokenizer:
         eos_token: The end-of-document token's text, appended to every document.
         eos_id: Its id.
         vocab_size: Number of ids including added tokens (decides the token dtype).
+        bos_token: The token prepended to every document, or None.
+        bos_id: Its id, or None.
     """
 
     tokenizer: Tokenizer
@@ -31,6 +54,24 @@ class LoadedTokenizer:
     eos_token: str
     eos_id: int
     vocab_size: int
+    bos_token: str | None = None
+    bos_id: int | None = None
+
+    def encode_documents(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each document as stored: [BOS] + text ids + EOS.
+
+        Args:
+            texts: Documents to tokenize; special-token text inside them is plain text.
+
+        Returns:
+            One list of ids per text.
+        """
+        encodings = self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+        eos = [self.eos_id]
+        if self.bos_id is None:
+            return [encoding.ids + eos for encoding in encodings]
+        bos = [self.bos_id]
+        return [bos + encoding.ids + eos for encoding in encodings]
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each text, without special tokens and without the EOS.
@@ -41,30 +82,36 @@ class LoadedTokenizer:
         Returns:
             One list of ids per text.
         """
-        encodings = self.tokenizer.encode_batch(texts, add_special_tokens=False)
+        encodings = self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)
         return [encoding.ids for encoding in encodings]
 
 
-def _eos_from_config(config_path: Path) -> str | None:
+def _token_from_config(config_path: Path, key: str) -> str | None:
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{config_path}: cannot read it as JSON ({e}); fix or remove it") from e
-    eos = config.get("eos_token") if isinstance(config, dict) else None
-    if isinstance(eos, dict):  # the AddedToken form: {"content": "</s>", ...}
-        eos = eos.get("content")
-    return eos if isinstance(eos, str) else None
+    token = config.get(key) if isinstance(config, dict) else None
+    if isinstance(token, dict):  # the AddedToken form: {"content": "</s>", ...}
+        token = token.get("content")
+    return token if isinstance(token, str) else None
 
 
-def load_tokenizer(path: str | Path) -> LoadedTokenizer:
+def load_tokenizer(
+    path: str | Path, *, eos_token: str | None = None, bos: bool | str = False
+) -> LoadedTokenizer:
     """Read a tokenizer.json (or a directory holding one) and resolve its EOS token.
 
-    The EOS token is `eos_token` of the `tokenizer_config.json` beside the tokenizer.json
-    when there is one, else the first of `FALLBACK_EOS_TOKENS` in the vocabulary.
+    The EOS token is `eos_token` when given, else `eos_token` of the
+    `tokenizer_config.json` beside the tokenizer.json when there is one, else the first
+    of `FALLBACK_EOS_TOKENS` in the vocabulary.
 
     Args:
         path: A `tokenizer.json` file, or a directory (a Hugging Face model directory)
             holding `tokenizer.json` and usually `tokenizer_config.json`.
+        eos_token: The EOS token's text, overriding the config.
+        bos: Prepend a BOS token to every document: False (default), True for
+            `bos_token` of tokenizer_config.json, or the token's text.
 
     Returns:
         The loaded tokenizer with its EOS id and vocabulary size.
@@ -84,11 +131,16 @@ def load_tokenizer(path: str | Path) -> LoadedTokenizer:
     except Exception as e:  # the Rust side raises a bare Exception
         raise ValueError(f"{file}: not a valid tokenizers JSON file ({e})") from e
 
+    tokenizer.encode_special_tokens = True  # "<|endoftext|>" in a document is plain text
     config_path = file.parent / "tokenizer_config.json"
-    if config_path.is_file():
-        eos_token = _eos_from_config(config_path)
+    if eos_token is not None:
+        source = "the eos_token argument"
+    elif config_path.is_file():
+        eos_token = _token_from_config(config_path, "eos_token")
         if eos_token is None:
-            raise ValueError(f"{config_path}: has no string 'eos_token'; add one")
+            raise ValueError(
+                f"{config_path}: has no string 'eos_token'; add one or pass eos_token (--eos-token)"
+            )
         source = str(config_path)
     else:
         vocab = tokenizer.get_vocab(with_added_tokens=True)
@@ -105,10 +157,35 @@ def load_tokenizer(path: str | Path) -> LoadedTokenizer:
         raise ValueError(
             f"EOS token {eos_token!r} (from {source}) is not in the vocabulary of {file}"
         )
+    bos_token, bos_id = _resolve_bos(tokenizer, file, config_path, bos)
     return LoadedTokenizer(
         tokenizer=tokenizer,
         path=file,
         eos_token=eos_token,
         eos_id=eos_id,
         vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
+        bos_token=bos_token,
+        bos_id=bos_id,
     )
+
+
+def _resolve_bos(
+    tokenizer: Tokenizer, file: Path, config_path: Path, bos: bool | str
+) -> tuple[str | None, int | None]:
+    if bos is False:
+        return None, None
+    if bos is True:
+        token = _token_from_config(config_path, "bos_token") if config_path.is_file() else None
+        if token is None:
+            raise ValueError(
+                f"bos=True but {config_path} names no 'bos_token'; pass the BOS token's text "
+                "instead (--bos TOKEN)"
+            )
+    elif isinstance(bos, str) and bos:
+        token = bos
+    else:
+        raise ValueError(f"bos ({bos!r}) must be False, True or a token's text")
+    token_id = tokenizer.token_to_id(token)
+    if token_id is None:
+        raise ValueError(f"BOS token {token!r} is not in the vocabulary of {file}")
+    return token, token_id

@@ -2,22 +2,30 @@
 
 Legend: B batch, S sequence, T tokens (B·S), D model dim, V vocabulary, E experts.
 
-A family (``qwen3_moe.py``) builds a :class:`DecoderStack` as ``self.model`` and an
-``lm_head`` (or ties it to the embedding), and supplies ``flops_per_token``.
+A family (``qwen3_moe.py``, ``deepseek_v2.py``, ``gpt_oss.py``) is a config plus an
+assembly: it builds a :class:`DecoderStack` of shared layers as ``self.model`` and an
+``lm_head`` (or ties it to the embedding). Loss, auxiliary losses, canonical names,
+initialization and FLOP accounting (``accounting.py``) are shared.
 """
 
 import hashlib
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from mt_models.layers.experts import EXPERT_WEIGHT_NAMES, GroupedExperts
-from mt_models.layers.router import load_balancing_loss
+from mt_models.accounting import FlopsAndParams
+from mt_models.layers.experts import GroupedExperts
+from mt_models.layers.router import (
+    load_balancing_loss,
+    router_z_loss,
+    sequence_load_balancing_loss,
+)
 from mt_models.protocol import RouterStats
-from mt_ops import linear_cross_entropy
+from mt_ops import GroupedLinear, linear_cross_entropy
 
 
 @dataclass(frozen=True)
@@ -41,15 +49,21 @@ class LossOutput:
     Attributes:
         ce_sum: fp32 scalar, sum of token cross-entropy over labels != ignore_index.
         num_tokens: int64 scalar, number of such labels.
-        aux_loss: fp32 scalar, ``router_aux_loss_coef`` × load-balancing loss summed over
-            MoE layers (0 without MoE layers).
-        router_stats: Router statistics of each MoE layer, in layer order.
+        aux_loss: fp32 scalar, ``router_aux_loss_coef`` × load-balancing loss plus
+            ``router_z_loss_coef`` × router z-loss, each summed over MoE layers (0 without
+            MoE layers).
+        router_stats: Router statistics of each MoE layer, in layer order, as produced
+            (before ``router_stats_reducer``).
+        losses: Named unweighted scalars for logging (detached, summed over MoE layers):
+            ``load_balancing_loss`` (the variant of ``config.aux_loss_type``) and
+            ``router_z_loss``.
     """
 
     ce_sum: Tensor
     num_tokens: Tensor
     aux_loss: Tensor
     router_stats: list[RouterStats]
+    losses: dict[str, Tensor] = field(default_factory=dict)
 
 
 torch.export.register_dataclass(StackOutput)
@@ -71,11 +85,12 @@ class DecoderStack(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = norm
 
-    def forward(self, input_ids_BS: Tensor) -> StackOutput:
+    def forward(self, input_ids_BS: Tensor, position_ids: Tensor | None = None) -> StackOutput:
         """Runs every layer's reference forward.
 
         Args:
             input_ids_BS: Token ids [B, S].
+            position_ids: Token positions [S] or [B, S]; None for ``arange(S)``.
 
         Returns:
             The :class:`StackOutput`.
@@ -83,7 +98,7 @@ class DecoderStack(nn.Module):
         h_BSD = self.embed_tokens(input_ids_BS)
         router_stats = []
         for layer in self.layers:
-            out = layer(h_BSD)
+            out = layer(h_BSD, position_ids)
             h_BSD = out.hidden_BSD
             if out.router_stats is not None:
                 router_stats.append(out.router_stats)
@@ -101,12 +116,19 @@ class CausalLM(nn.Module):
     ``self.lm_head`` (an ``nn.Linear``, or None when tied to the embedding).
 
     Subclasses set ``config`` (with ``router_aux_loss_coef``, ``initializer_range`` and
-    ``num_hidden_layers``) and implement :meth:`flops_per_token`.
+    ``num_hidden_layers``; optionally ``aux_loss_type`` and ``router_z_loss_coef``).
+
+    Attributes:
+        router_stats_reducer: Applied to each MoE layer's :class:`RouterStats` before the
+            auxiliary losses are computed (None: the local statistics). mt-parallel sets it
+            to an all-reduce over the ranks sharing the global batch; it must keep the
+            autograd graph of ``prob_sum_*`` (the router's gradient flows through it).
     """
 
     config: Any
     model: DecoderStack
     lm_head: nn.Linear | None
+    router_stats_reducer: Callable[[RouterStats], RouterStats] | None = None
 
     @property
     def output_weight(self) -> Tensor:
@@ -114,19 +136,28 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(
-        self, input_ids_BS: Tensor, labels_BS: Tensor | None = None, *, ignore_index: int = -100
+        self,
+        input_ids_BS: Tensor,
+        labels_BS: Tensor | None = None,
+        *,
+        position_ids: Tensor | None = None,
+        ignore_index: int = -100,
     ) -> Tensor | LossOutput:
         """Logits, or the loss when labels are given (see :meth:`loss`).
 
         Args:
             input_ids_BS: Token ids [B, S].
             labels_BS: Target ids [B, S], or None to return logits.
+            position_ids: Token positions (int64 [S] or [B, S]) that set RoPE; None for
+                ``arange(S)``. Context parallelism passes the global positions of its
+                slice. Packed documents restart them per document; the local attention
+                core then keeps attention inside each document.
             ignore_index: Label value excluded from the loss.
 
         Returns:
             ``logits_BSV`` in the model dtype, or a :class:`LossOutput` when labels are given.
         """
-        stack = self.model(input_ids_BS)
+        stack = self.model(input_ids_BS, position_ids)
         if labels_BS is None:
             return nn.functional.linear(stack.hidden_BSD, self.output_weight)  # [B, S, V]
         if labels_BS.shape != input_ids_BS.shape:
@@ -138,42 +169,104 @@ class CausalLM(nn.Module):
         ce_sum, num_tokens = linear_cross_entropy(
             hidden_TD, self.output_weight, labels_BS.reshape(-1), ignore_index=ignore_index
         )
-        aux_loss = torch.zeros((), dtype=torch.float32, device=hidden_TD.device)
-        for stats in stack.router_stats:
-            aux_loss = aux_loss + load_balancing_loss(stats)
-        aux_loss = aux_loss * self.config.router_aux_loss_coef
-        return LossOutput(ce_sum, num_tokens, aux_loss, stack.router_stats)
+        aux_loss, losses = self.auxiliary_losses(stack.router_stats, hidden_TD.device)
+        return LossOutput(ce_sum, num_tokens, aux_loss, stack.router_stats, losses)
+
+    def auxiliary_losses(
+        self, router_stats: list[RouterStats], device: torch.device
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Weighted load-balancing and z losses from (reduced) router statistics.
+
+        ``config.aux_loss_type`` picks the balancing variant: ``"global"`` (over the whole
+        batch, HF's) or ``"sequence"`` (per sequence, averaged); ``router_aux_loss_coef`` and
+        ``router_z_loss_coef`` (0 switches a loss off) weight them.
+
+        Args:
+            router_stats: Each MoE layer's statistics.
+            device: Where the zero of a model without MoE layers lives.
+
+        Returns:
+            ``(aux_loss, losses)`` as in :class:`LossOutput`.
+        """
+        per_sequence = getattr(self.config, "aux_loss_type", "global") == "sequence"
+        balance_fn = sequence_load_balancing_loss if per_sequence else load_balancing_loss
+        balance = torch.zeros((), dtype=torch.float32, device=device)
+        z_loss = torch.zeros((), dtype=torch.float32, device=device)
+        for stats in router_stats:
+            if self.router_stats_reducer is not None:
+                stats = self.router_stats_reducer(stats)
+            balance = balance + balance_fn(stats)
+            z_loss = z_loss + router_z_loss(stats)
+        z_coef = getattr(self.config, "router_z_loss_coef", 0.0)
+        aux_loss = balance * self.config.router_aux_loss_coef + z_loss * z_coef
+        losses = {"load_balancing_loss": balance.detach(), "router_z_loss": z_loss.detach()}
+        return aux_loss, losses
 
     def loss(
-        self, input_ids_BS: Tensor, labels_BS: Tensor, *, ignore_index: int = -100
+        self,
+        input_ids_BS: Tensor,
+        labels_BS: Tensor,
+        *,
+        position_ids: Tensor | None = None,
+        ignore_index: int = -100,
     ) -> LossOutput:
-        """Cross-entropy sum (full logits never built) and load-balancing loss.
+        """Cross-entropy sum (full logits never built) and auxiliary router losses.
 
         Goes through ``__call__`` so module hooks (FSDP2, activation checkpointing) run.
 
         Args:
             input_ids_BS: Token ids [B, S].
             labels_BS: Target ids [B, S]; ``ignore_index`` entries are skipped.
+            position_ids: Token positions [S] or [B, S]; None for ``arange(S)``.
             ignore_index: Label value excluded from the loss.
 
         Returns:
             The :class:`LossOutput`.
         """
-        return self(input_ids_BS, labels_BS, ignore_index=ignore_index)
+        return self(input_ids_BS, labels_BS, position_ids=position_ids, ignore_index=ignore_index)
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (3 × forward), ARCHITECTURE §8; family-specific."""
-        raise NotImplementedError
+        """Training FLOPs per token: 3 × forward (ARCHITECTURE §8).
+
+        Forward counts 2 FLOPs per multiply-add of every matmul with its active weights
+        (attention projections, router, top-k routed and shared experts or the dense MLP,
+        output head) plus attention scores ``2 · H · (Dqk + Dv) · context`` per layer
+        (context S/2 causal, ``W − W²/2S`` for a window W). Embedding lookups, norms,
+        biases and elementwise ops are not counted.
+
+        Args:
+            seq_len: S, the training sequence length.
+
+        Returns:
+            FLOPs per token of one forward + backward.
+        """
+        return FlopsAndParams.of(self, seq_len).train_flops_per_token
+
+    def parameter_counts(self) -> tuple[int, int]:
+        """``(total, active per token)`` parameter counts (active: K of E experts).
+
+        Returns:
+            The two counts, embeddings and head included.
+        """
+        counts = FlopsAndParams.of(self, 1)
+        return counts.total_params, counts.active_params
 
     # ---- canonical (Hugging Face Hub) names -------------------------------------------
 
-    def _expert_fqns(self) -> dict[str, tuple[str, str, GroupedExperts]]:
-        """Stacked expert parameter FQN → (module prefix, weight name, module)."""
+    def _expert_fqns(self) -> dict[str, tuple[str, str, nn.Module]]:
+        """Stacked expert parameter FQN → (experts prefix, ``<proj>.<param>``, experts module).
+
+        Each ``GroupedLinear`` child of a :class:`GroupedExperts` module is split per expert.
+        """
         out = {}
         for prefix, module in self.named_modules():
-            if isinstance(module, GroupedExperts):
-                for name in EXPERT_WEIGHT_NAMES:
-                    out[f"{prefix}.{name}.weight"] = (prefix, name, module)
+            if not isinstance(module, GroupedExperts):
+                continue
+            for child_name, child in module.named_children():
+                if isinstance(child, GroupedLinear):
+                    for param_name, _ in child.named_parameters():
+                        suffix = f"{child_name}.{param_name}"
+                        out[f"{prefix}.{suffix}"] = (prefix, suffix, module)
         return out
 
     def to_canonical(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -203,7 +296,7 @@ class CausalLM(nn.Module):
                     )
                 for local in range(module.num_experts):
                     expert_id = module.first_expert_id + local
-                    out[f"{prefix}.{expert_id}.{name}.weight"] = tensor[local]
+                    out[f"{prefix}.{expert_id}.{name}"] = tensor[local]
             elif fqn in param_names:
                 out[fqn] = tensor
             else:
@@ -227,7 +320,7 @@ class CausalLM(nn.Module):
         std = self.config.initializer_range
         if canonical_name.endswith("norm.weight"):
             return "ones", 0.0
-        if canonical_name.endswith(".bias"):
+        if canonical_name.endswith(("bias", ".sinks")):
             return "zeros", 0.0
         if canonical_name.endswith(("o_proj.weight", "down_proj.weight")):
             return "normal", std / math.sqrt(2 * self.config.num_hidden_layers)
@@ -235,18 +328,21 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Initializes every parameter as a function of (seed, canonical name) only.
+        """Initializes every parameter as a function of (seed, canonical name) only; the
+        canonical name of an expert's tensor holds its global expert id.
 
-        Rules (std = ``config.initializer_range``, 0.02 for Qwen3):
+        Rules (std = ``config.initializer_range``, 0.02 for all three families):
 
         - norms (``*norm.weight``: input/post-attention layernorms, q_norm, k_norm,
-          ``model.norm``): ones;
-        - biases: zeros;
+          MLA's q_a/kv_a layernorms, ``model.norm``): ones;
+        - biases (projections, experts, router, ``e_score_correction_bias``) and attention
+          sinks: zeros (a zero sink starts as one extra softmax slot of logit 0);
         - residual output projections (``self_attn.o_proj``, ``mlp.down_proj`` and every
           expert's ``down_proj``): normal(0, std / sqrt(2 · num_hidden_layers))
           (GPT-2's scaling, so the residual stream's variance does not grow with depth);
-        - everything else (``embed_tokens``, q/k/v projections, router ``mlp.gate``,
-          ``gate_proj``/``up_proj`` dense and per expert, ``lm_head``): normal(0, std).
+        - everything else (``embed_tokens``, q/k/v and MLA projections, routers,
+          ``gate_proj``/``up_proj``/``gate_up_proj`` dense, shared and per expert,
+          ``lm_head``): normal(0, std).
 
         Values are drawn in fp32 on the CPU from a generator seeded with the first 8 bytes
         of sha256(f"{seed}/{canonical_name}"), then copied into the parameter (any device

@@ -6,7 +6,7 @@ A decoder layer splits its forward into phases so that a pipeline schedule can r
 its own autograd segment and overlap one micro-batch's expert traffic with another's
 compute (ARCHITECTURE §2-3)::
 
-    routed = layer.attend(x_BSD)                                  # norm, attention, router
+    routed = layer.attend(x_BSD, position_ids)                    # norm, attention, router
     tokens_RD, tokens_per_expert_E, handle = layer.dispatcher.dispatch(routed)
     expert_out_RD = layer.experts(tokens_RD, tokens_per_expert_E)  # grouped GEMMs
     expert_out_TD = layer.dispatcher.combine(expert_out_RD, handle)  # top-k weighted sum
@@ -26,7 +26,12 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class RouterStats:
-    """Per-layer router statistics of one micro-batch, summable across ranks.
+    """Per-layer router statistics of one micro-batch: sums, so ranks can add them up.
+
+    The ``*_E`` fields and ``num_tokens``/``z_sum`` cover all tokens of the micro-batch:
+    sum them over every rank that holds other tokens of the global batch (dp · cp · ep).
+    The per-sequence ``*_BE``/``num_tokens_B`` fields cover each sequence: sum them only over
+    ranks holding other pieces of the same sequences (cp), never over data-parallel ranks.
 
     Attributes:
         tokens_per_expert_E: How many tokens chose each expert (fp32 [E], no gradient).
@@ -34,11 +39,19 @@ class RouterStats:
             the gradient to the router).
         num_tokens: Number of tokens T these sums cover (an int64 scalar tensor, so it can
             be all-reduced like the sums).
+        z_sum: Sum over tokens of ``logsumexp(router_logits)²`` (fp32 scalar; router z-loss).
+        tokens_per_expert_BE: Per-sequence expert counts (fp32 [B, E], no gradient).
+        prob_sum_BE: Per-sequence probability sums (fp32 [B, E]).
+        num_tokens_B: Tokens of each sequence (int64 [B]).
     """
 
     tokens_per_expert_E: Tensor
     prob_sum_E: Tensor
     num_tokens: Tensor
+    z_sum: Tensor
+    tokens_per_expert_BE: Tensor
+    prob_sum_BE: Tensor
+    num_tokens_B: Tensor
 
 
 @dataclass(frozen=True)
@@ -118,11 +131,12 @@ class MoEDecoderLayer(Protocol):
 
     dispatcher: Dispatcher | None
 
-    def attend(self, x_BSD: Tensor) -> Routed:
+    def attend(self, x_BSD: Tensor, position_ids: Tensor | None = None) -> Routed:
         """Norm, self-attention, residual, norm, router (and shared experts).
 
         Args:
             x_BSD: Layer input [B, S, D].
+            position_ids: Token positions [S] or [B, S] (RoPE); None for ``arange(S)``.
 
         Returns:
             The :class:`Routed` record.
@@ -153,11 +167,12 @@ class MoEDecoderLayer(Protocol):
         """
         ...
 
-    def forward(self, x_BSD: Tensor) -> LayerOutput:
+    def forward(self, x_BSD: Tensor, position_ids: Tensor | None = None) -> LayerOutput:
         """Composes the phases through ``dispatcher``.
 
         Args:
             x_BSD: Layer input [B, S, D].
+            position_ids: Token positions [S] or [B, S]; None for ``arange(S)``.
 
         Returns:
             The :class:`LayerOutput`.

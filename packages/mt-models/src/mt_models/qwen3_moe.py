@@ -1,7 +1,8 @@
 """Qwen3-MoE: config (Hugging Face field names), presets, and the causal LM.
 
-Assembled from shared layers: GQA attention with per-head QK-norm and RoPE, softmax top-k
-router with optional renormalization, grouped SwiGLU experts, no shared expert. Layer i is
+Assembled from shared layers: GQA attention with per-head QK-norm and RoPE (optionally
+YaRN, optionally a sliding window on every layer when ``use_sliding_window``), softmax
+top-k router with optional renormalization, grouped SwiGLU experts, no shared expert. Layer i is
 sparse when ``i not in mlp_only_layers and num_experts > 0 and (i + 1) %
 decoder_sparse_step == 0`` (as in ``transformers``' ``Qwen3MoeDecoderLayer``); otherwise
 it has a dense SwiGLU MLP of ``intermediate_size``.
@@ -10,6 +11,7 @@ it has a dense SwiGLU MLP of ``intermediate_size``.
 from dataclasses import dataclass
 
 from mt_models.base import CausalLM, DecoderStack
+from mt_models.configs import check_positive, check_rope, check_router_losses
 from mt_models.layers import (
     DecoderLayer,
     Embedding,
@@ -18,7 +20,9 @@ from mt_models.layers import (
     MoEBlock,
     RMSNorm,
     RotaryEmbedding,
+    SwiGLUExperts,
     SwiGLUMLP,
+    TopKRouter,
 )
 
 
@@ -40,6 +44,7 @@ class Qwen3MoeConfig:
         norm_topk_prob: Renormalize the top-k weights to sum to one.
         rms_norm_eps: Epsilon of every RMSNorm.
         rope_theta: RoPE base.
+        rope_scaling: The Hub's RoPE scaling dict (YaRN), or None.
         max_position_embeddings: Longest sequence the model is meant for.
         tie_word_embeddings: Use the embedding as the output projection.
         decoder_sparse_step: Every this-many-th layer is sparse.
@@ -47,6 +52,10 @@ class Qwen3MoeConfig:
         router_aux_loss_coef: Weight of the load-balancing loss.
         attention_bias: Biases on q/k/v/o projections.
         initializer_range: Std of the normal initialization.
+        use_sliding_window: Every layer attends within ``sliding_window`` keys.
+        sliding_window: The window (used only with ``use_sliding_window``).
+        aux_loss_type: ``"global"`` or ``"sequence"`` load balancing (training only).
+        router_z_loss_coef: Weight of the router z-loss (training only; 0 is off).
     """
 
     vocab_size: int
@@ -59,9 +68,10 @@ class Qwen3MoeConfig:
     head_dim: int
     num_experts: int
     num_experts_per_tok: int
-    norm_topk_prob: bool = True
+    norm_topk_prob: bool = False
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
+    rope_scaling: dict | None = None
     max_position_embeddings: int = 40960
     tie_word_embeddings: bool = False
     decoder_sparse_step: int = 1
@@ -69,6 +79,10 @@ class Qwen3MoeConfig:
     router_aux_loss_coef: float = 0.001
     attention_bias: bool = False
     initializer_range: float = 0.02
+    use_sliding_window: bool = False
+    sliding_window: int | None = None
+    aux_loss_type: str = "global"
+    router_z_loss_coef: float = 0.0
 
     def __post_init__(self):
         self.mlp_only_layers = tuple(self.mlp_only_layers)
@@ -84,9 +98,7 @@ class Qwen3MoeConfig:
             "decoder_sparse_step",
             "max_position_embeddings",
         ]
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} ({getattr(self, name)}) must be >= 1")
+        check_positive(self, positive)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_key_value_heads ({self.num_key_value_heads}) must divide "
@@ -107,11 +119,17 @@ class Qwen3MoeConfig:
                 f"mlp_only_layers entries {bad} must be layer indices in "
                 f"[0, num_hidden_layers={self.num_hidden_layers})"
             )
-        if self.rope_theta <= 0 or self.rms_norm_eps <= 0 or self.router_aux_loss_coef < 0:
+        if self.use_sliding_window and (self.sliding_window or 0) < 1:
             raise ValueError(
-                f"rope_theta ({self.rope_theta}) and rms_norm_eps ({self.rms_norm_eps}) must "
-                f"be > 0 and router_aux_loss_coef ({self.router_aux_loss_coef}) >= 0"
+                f"sliding_window ({self.sliding_window}) must be >= 1 when use_sliding_window"
             )
+        check_rope(self)
+        check_router_losses(self)
+
+    @property
+    def window(self) -> int | None:
+        """The attention window of every layer (None: full causal)."""
+        return self.sliding_window if self.use_sliding_window else None
 
     def is_sparse_layer(self, layer_idx: int) -> bool:
         """Whether layer ``layer_idx`` has experts (else a dense MLP)."""
@@ -189,28 +207,34 @@ def qwen3_235b_a22b() -> Qwen3MoeConfig:
 def _build_layer(config: Qwen3MoeConfig, layer_idx: int) -> DecoderLayer:
     dim, eps = config.hidden_size, config.rms_norm_eps
     if config.is_sparse_layer(layer_idx):
-        mlp = MoEBlock(
+        router = TopKRouter(
             dim,
             config.num_experts,
             config.num_experts_per_tok,
-            config.moe_intermediate_size,
-            config.norm_topk_prob,
+            norm_topk_prob=config.norm_topk_prob,
         )
+        experts = SwiGLUExperts(config.num_experts, dim, config.moe_intermediate_size)
+        mlp = MoEBlock(router, experts, router_name="gate")
     else:
         mlp = SwiGLUMLP(dim, config.intermediate_size)
+    rotary = RotaryEmbedding(
+        config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings
+    )
     return DecoderLayer(
         self_attn=GQAAttention(
             dim,
             config.num_attention_heads,
             config.num_key_value_heads,
             config.head_dim,
-            eps,
+            rotary,
+            eps=eps,
             bias=config.attention_bias,
+            qk_norm=True,
+            window=config.window,
         ),
         mlp=mlp,
         input_layernorm=RMSNorm(dim, eps),
         post_attention_layernorm=RMSNorm(dim, eps),
-        rotary=RotaryEmbedding(config.head_dim, config.rope_theta),
     )
 
 
@@ -241,37 +265,3 @@ class Qwen3MoeForCausalLM(CausalLM):
             if config.tie_word_embeddings
             else Linear(config.hidden_size, config.vocab_size, bias=False)
         )
-
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 3 × forward (ARCHITECTURE §8).
-
-        Forward counts 2 FLOPs per multiply-add of every matmul with its active weights:
-        q/k/v/o projections, the router and the top-k experts (or the dense MLP), the
-        output head; plus causal attention scores 2 · heads · (d_qk + d_v) · S/2 per layer.
-        Embedding lookups, norms and elementwise ops are not counted.
-
-        Args:
-            seq_len: S, the training sequence length.
-
-        Returns:
-            FLOPs per token of one forward + backward.
-        """
-        c = self.config
-        dim, heads, kv_heads, head_dim = (
-            c.hidden_size,
-            c.num_attention_heads,
-            c.num_key_value_heads,
-            c.head_dim,
-        )
-        attn_proj = 2 * dim * head_dim * (2 * heads + 2 * kv_heads)  # q, o; k, v
-        attn_scores = 2 * heads * (head_dim + head_dim) * seq_len / 2
-        forward = 2 * dim * c.vocab_size  # output head
-        for i in range(c.num_hidden_layers):
-            if c.is_sparse_layer(i):
-                mlp = 2 * dim * c.num_experts + c.num_experts_per_tok * 3 * 2 * dim * (
-                    c.moe_intermediate_size
-                )
-            else:
-                mlp = 3 * 2 * dim * c.intermediate_size
-            forward += attn_proj + attn_scores + mlp
-        return 3.0 * forward

@@ -1,25 +1,75 @@
 """mt-ops: the ops of a mixture-of-experts training step, each beside a plain-PyTorch reference.
 
-Every public op has a ``<op>_reference`` with the same signature; the public op runs a
-native PyTorch fast path where one exists and the reference otherwise (fused Triton
-kernels come later and keep these signatures).
+Every public op has a ``<op>_reference`` with the same signature; on CUDA the public op
+runs a fused Triton kernel or a native PyTorch fast path, on CPU the reference (Triton's
+interpreter runs the kernels on CPU in tests).
 """
 
-from mt_ops.attention import attention, attention_reference
+from mt_ops.attention import apply_sinks, attention, attention_reference
+from mt_ops.clamped_swiglu import clamped_swiglu, clamped_swiglu_reference
+from mt_ops.clamped_swiglu_kernel import clamped_swiglu_fused
 from mt_ops.cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
+from mt_ops.deferred_wgrad import (
+    Linear,
+    WeightGradQueue,
+    make_weight_grads_deferrable,
+    set_weight_grad_queue,
+)
+from mt_ops.fp8_gemm import fp8_backend, fp8_grouped_gemm, fp8_grouped_wgrad
+from mt_ops.fp8_linear import FP8GroupedLinear, FP8Linear, FP8WeightCache, convert_to_fp8
+from mt_ops.fp8_quant import (
+    Fp8Quantized,
+    RowTiles,
+    quantize_1x128,
+    quantize_1x128_dual,
+    quantize_128x128,
+    row_tiles,
+)
 from mt_ops.grouped_linear import GroupedLinear, grouped_linear, grouped_linear_reference
-from mt_ops.moe_permute import DispatchPlan, permute, plan_dispatch, unpermute
+from mt_ops.moe_permute import (
+    DispatchPlan,
+    permute,
+    permute_reference,
+    plan_dispatch,
+    plan_dispatch_reference,
+    unpermute,
+    unpermute_reference,
+)
 from mt_ops.rms_norm import rms_norm, rms_norm_reference
 from mt_ops.rope import apply_rope, apply_rope_reference
 from mt_ops.swiglu import swiglu, swiglu_reference
 
 __all__ = [
     "DispatchPlan",
+    "FP8GroupedLinear",
+    "FP8Linear",
+    "FP8WeightCache",
+    "Fp8Quantized",
     "GroupedLinear",
+    "Linear",
+    "RowTiles",
+    "WeightGradQueue",
+    "clamped_swiglu_fused",
+    "convert_to_fp8",
+    "fp8_backend",
+    "fp8_grouped_gemm",
+    "fp8_grouped_wgrad",
+    "make_weight_grads_deferrable",
+    "permute_reference",
+    "plan_dispatch_reference",
+    "quantize_128x128",
+    "quantize_1x128",
+    "quantize_1x128_dual",
+    "row_tiles",
+    "set_weight_grad_queue",
+    "unpermute_reference",
+    "apply_sinks",
     "apply_rope",
     "apply_rope_reference",
     "attention",
     "attention_reference",
+    "clamped_swiglu",
+    "clamped_swiglu_reference",
     "grouped_linear",
     "grouped_linear_reference",
     "linear_cross_entropy",

@@ -1,17 +1,32 @@
-"""Scaled dot-product attention with grouped-query heads and an optional log-sum-exp.
+"""Scaled dot-product attention: GQA, causal or sliding-window masks at arbitrary positions,
+attention sinks, and an optional log-sum-exp.
 
-Eager PyTorch attention materializes the [B, H, S, S] score matrix, its softmax and their
+Eager PyTorch attention materializes the [B, H, Sq, Sk] score matrix, its softmax and their
 gradients: O(S²) memory per head. Fused kernels (Flash / cuDNN SDPA, FlashAttention-4)
 stream K/V tiles through an online softmax and keep only the per-row log-sum-exp (LSE).
-The public op uses ``torch.nn.functional.scaled_dot_product_attention`` (which picks
-Flash, cuDNN, memory-efficient or math by capability) whenever the LSE is not requested.
-Context parallelism needs the LSE to merge partial results; until a kernel returns it,
-``return_lse=True`` runs the reference.
+The public op uses ``torch.nn.functional.scaled_dot_product_attention`` (which picks Flash,
+cuDNN, memory-efficient or math by capability) for plain causal attention, and SDPA with a
+boolean mask for sliding windows and explicit positions. Context parallelism needs the LSE
+to merge partial results, and sinks need it too; until a kernel returns it, those requests
+run the reference.
 
-Conventions: query head ``h`` attends with key/value head ``h // (Hq // Hkv)`` (the
-``repeat_interleave`` grouping of SDPA's ``enable_gqa`` and Hugging Face's ``repeat_kv``);
-the causal mask is aligned top-left (query ``i`` sees keys ``0..i``), as SDPA's
-``is_causal``. The default scale is ``1 / sqrt(head_dim of q)``.
+Conventions:
+
+- Query head ``h`` attends with key/value head ``h // (Hq // Hkv)`` (the
+  ``repeat_interleave`` grouping of SDPA's ``enable_gqa`` and Hugging Face's ``repeat_kv``).
+- Masks are defined on positions: key j is visible to query i when
+  ``kv_pos[j] <= q_pos[i]`` (causal) and ``q_pos[i] - kv_pos[j] < window`` (a window of W
+  keys, the query's own included: Hugging Face's ``sliding_window`` convention). Without
+  explicit positions both are ``arange`` (top-left aligned, as SDPA's ``is_causal``). A ring
+  attention core passes the global positions of a q chunk and a k/v chunk.
+- Packed documents: with ``q_document_ids`` / ``kv_document_ids`` a key is visible only to
+  queries of the same document (ids equal), on top of the causal and window rules.
+- A query that sees no key gets output 0 and LSE ``-inf`` (so an LSE merge ignores it).
+- Sinks (GPT-OSS) are one learned logit per query head that joins every softmax row but
+  has no value: ``softmax([s, sink])[:-1] @ v = out · sigmoid(lse − sink)``. They are
+  applied after normalization by :func:`apply_sinks`, so a context-parallel caller merges
+  the partial (out, lse) of its chunks first and applies the sinks once.
+- The default scale is ``1 / sqrt(Dqk)``; v may have a head dim Dv different from q/k (MLA).
 """
 
 import math
@@ -20,10 +35,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["attention", "attention_reference"]
+__all__ = ["apply_sinks", "attention", "attention_reference"]
 
 
-def _check(q: Tensor, k: Tensor, v: Tensor) -> None:
+def _check(q: Tensor, k: Tensor, v: Tensor, window: int | None, sinks: Tensor | None) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
             f"q, k, v shapes ({tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}) must be "
@@ -45,6 +60,98 @@ def _check(q: Tensor, k: Tensor, v: Tensor) -> None:
             f"q heads ({num_q_heads}) must be a multiple of k/v heads ({num_kv_heads}); "
             "choose num_key_value_heads dividing num_attention_heads"
         )
+    if window is not None and window < 1:
+        raise ValueError(f"window ({window}) must be >= 1 or None for full attention")
+    if sinks is not None and sinks.shape != (num_q_heads,):
+        raise ValueError(
+            f"sinks shape ({tuple(sinks.shape)}) must be [Hq] = [{num_q_heads}]; "
+            "pass one sink logit per query head"
+        )
+
+
+def _positions(positions: Tensor | None, length: int, device: torch.device) -> Tensor:
+    """Positions as int64 [B or 1, S]."""
+    if positions is None:
+        return torch.arange(length, device=device)[None]
+    if positions.dim() == 1:
+        positions = positions[None]
+    if positions.shape[-1] != length:
+        raise ValueError(
+            f"positions shape ({tuple(positions.shape)}) must end in the sequence length "
+            f"({length}); pass one position per token"
+        )
+    return positions.to(device=device, dtype=torch.int64)
+
+
+def visible_mask(
+    q_positions: Tensor | None,
+    kv_positions: Tensor | None,
+    seq_q: int,
+    seq_k: int,
+    *,
+    causal: bool,
+    window: int | None,
+    device: torch.device,
+    q_document_ids: Tensor | None = None,
+    kv_document_ids: Tensor | None = None,
+) -> Tensor | None:
+    """Boolean [B or 1, 1, Sq, Sk] mask of visible keys, or None when all are visible.
+
+    Args:
+        q_positions: Query positions [Sq] or [B, Sq], or None for ``arange(Sq)``.
+        kv_positions: Key positions [Sk] or [B, Sk], or None for ``arange(Sk)``.
+        seq_q: Sq.
+        seq_k: Sk.
+        causal: Hide keys after the query position.
+        window: Hide keys ``window`` or more positions before the query (None: no limit).
+        device: Where the mask lives.
+        q_document_ids: Document of each query [Sq] or [B, Sq], or None (one document).
+        kv_document_ids: Document of each key [Sk] or [B, Sk], or None (one document).
+
+    Returns:
+        The mask, True where the key is visible.
+    """
+    documents = None
+    if q_document_ids is not None or kv_document_ids is not None:
+        if q_document_ids is None or kv_document_ids is None:
+            raise ValueError(
+                "q_document_ids and kv_document_ids must be given together; pass the same "
+                "ids twice for self-attention"
+            )
+        q_doc = _positions(q_document_ids, seq_q, device)[:, :, None]  # [B|1, Sq, 1]
+        kv_doc = _positions(kv_document_ids, seq_k, device)[:, None, :]  # [B|1, 1, Sk]
+        documents = (q_doc == kv_doc)[:, None]  # [B|1, 1, Sq, Sk]
+    if not causal and window is None:
+        return documents
+    q_pos = _positions(q_positions, seq_q, device)[:, :, None]  # [B|1, Sq, 1]
+    kv_pos = _positions(kv_positions, seq_k, device)[:, None, :]  # [B|1, 1, Sk]
+    distance = q_pos - kv_pos  # [B|1, Sq, Sk]
+    visible = torch.ones_like(distance, dtype=torch.bool)
+    if causal:
+        visible &= distance >= 0
+    if window is not None:
+        visible &= distance < window
+    visible = visible[:, None]  # [B|1, 1, Sq, Sk]
+    return visible if documents is None else visible & documents
+
+
+def apply_sinks(out_BHSD: Tensor, lse_BHS: Tensor, sinks_H: Tensor) -> Tensor:
+    """Folds attention sinks into a normalized attention output: ``out · sigmoid(lse − sink)``.
+
+    ``softmax([scores, sink])`` without the sink column equals ``softmax(scores) ·
+    Σexp(scores) / (Σexp(scores) + exp(sink))``, and that ratio is ``sigmoid(lse − sink)``.
+    Apply it once, after merging the partial results of all key chunks.
+
+    Args:
+        out_BHSD: Attention output normalized over the keys [B, Hq, Sq, Dv].
+        lse_BHS: fp32 log-sum-exp of the scaled scores over the same keys [B, Hq, Sq].
+        sinks_H: One sink logit per query head [Hq].
+
+    Returns:
+        The output with sinks, in the dtype of ``out_BHSD``.
+    """
+    keep_BHS = torch.sigmoid(lse_BHS - sinks_H.float()[None, :, None])  # [B, Hq, Sq]
+    return (out_BHSD.float() * keep_BHS[..., None]).to(out_BHSD.dtype)
 
 
 def attention(
@@ -54,6 +161,12 @@ def attention(
     *,
     causal: bool = True,
     scale: float | None = None,
+    window: int | None = None,
+    sinks: Tensor | None = None,
+    q_positions: Tensor | None = None,
+    kv_positions: Tensor | None = None,
+    q_document_ids: Tensor | None = None,
+    kv_document_ids: Tensor | None = None,
     return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Softmax attention of queries over keys, with GQA when k/v have fewer heads.
@@ -62,26 +175,60 @@ def attention(
         q_BHSD: Queries [B, Hq, Sq, Dqk].
         k_BHSD: Keys [B, Hkv, Sk, Dqk], Hq a multiple of Hkv.
         v_BHSD: Values [B, Hkv, Sk, Dv].
-        causal: Mask keys after the query position (top-left aligned).
+        causal: Mask keys after the query position.
         scale: Multiplier of q·k; ``1 / sqrt(Dqk)`` when None.
-        return_lse: Also return the fp32 log-sum-exp of the scaled scores per query.
+        window: Sliding window: each query sees at most this many most recent keys
+            (itself included); None for no limit.
+        sinks: fp32 sink logit per query head [Hq], or None for no sinks.
+        q_positions: Global query positions [Sq] or [B, Sq] (None: ``arange(Sq)``).
+        kv_positions: Global key positions [Sk] or [B, Sk] (None: ``arange(Sk)``).
+        q_document_ids: Document of each query [Sq] or [B, Sq] (packed rows), or None.
+        kv_document_ids: Document of each key [Sk] or [B, Sk], or None.
+        return_lse: Also return the fp32 log-sum-exp of the scaled scores per query
+            (including the sink term when sinks are given).
 
     Returns:
         ``out`` [B, Hq, Sq, Dv] in the dtype of q, or ``(out, lse)`` with lse [B, Hq, Sq]
         in fp32 when ``return_lse``.
     """
-    _check(q_BHSD, k_BHSD, v_BHSD)
-    if return_lse:
-        return attention_reference(
-            q_BHSD, k_BHSD, v_BHSD, causal=causal, scale=scale, return_lse=True
-        )
-    return F.scaled_dot_product_attention(
-        q_BHSD,
-        k_BHSD,
-        v_BHSD,
-        is_causal=causal,
+    _check(q_BHSD, k_BHSD, v_BHSD, window, sinks)
+    kwargs = dict(
+        causal=causal,
         scale=scale,
-        enable_gqa=q_BHSD.shape[1] != k_BHSD.shape[1],
+        window=window,
+        sinks=sinks,
+        q_positions=q_positions,
+        kv_positions=kv_positions,
+        q_document_ids=q_document_ids,
+        kv_document_ids=kv_document_ids,
+    )
+    if return_lse or sinks is not None:
+        return attention_reference(q_BHSD, k_BHSD, v_BHSD, return_lse=return_lse, **kwargs)
+    enable_gqa = q_BHSD.shape[1] != k_BHSD.shape[1]
+    plain = window is None and q_document_ids is None and kv_document_ids is None
+    if plain and q_positions is None and kv_positions is None:
+        return F.scaled_dot_product_attention(
+            q_BHSD, k_BHSD, v_BHSD, is_causal=causal, scale=scale, enable_gqa=enable_gqa
+        )
+    mask = visible_mask(
+        q_positions,
+        kv_positions,
+        q_BHSD.shape[2],
+        k_BHSD.shape[2],
+        causal=causal,
+        window=window,
+        device=q_BHSD.device,
+        q_document_ids=q_document_ids,
+        kv_document_ids=kv_document_ids,
+    )
+    # Causal self-attention by index always shows a query itself: no check, no host sync.
+    self_attention = causal and q_BHSD.shape[2] == k_BHSD.shape[2]
+    positioned = q_positions is not None or kv_positions is not None or not self_attention
+    if mask is not None and positioned and not bool(mask.any(-1).all()):
+        # SDPA returns NaN for a query that sees no key; the reference returns 0.
+        return attention_reference(q_BHSD, k_BHSD, v_BHSD, **kwargs)
+    return F.scaled_dot_product_attention(
+        q_BHSD, k_BHSD, v_BHSD, attn_mask=mask, scale=scale, enable_gqa=enable_gqa
     )
 
 
@@ -92,33 +239,70 @@ def attention_reference(
     *,
     causal: bool = True,
     scale: float | None = None,
+    window: int | None = None,
+    sinks: Tensor | None = None,
+    q_positions: Tensor | None = None,
+    kv_positions: Tensor | None = None,
+    q_document_ids: Tensor | None = None,
+    kv_document_ids: Tensor | None = None,
     return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """Explicit fp32 reference of :func:`attention`: scores, mask, log-sum-exp, softmax.
+    """Explicit fp32 reference of :func:`attention`: scores, mask, log-sum-exp, softmax, sinks.
 
     Args:
         q_BHSD: Queries [B, Hq, Sq, Dqk].
         k_BHSD: Keys [B, Hkv, Sk, Dqk], Hq a multiple of Hkv.
         v_BHSD: Values [B, Hkv, Sk, Dv].
-        causal: Mask keys after the query position (top-left aligned).
+        causal: Mask keys after the query position.
         scale: Multiplier of q·k; ``1 / sqrt(Dqk)`` when None.
-        return_lse: Also return the fp32 log-sum-exp of the scaled scores per query.
+        window: Sliding window in keys (itself included), or None.
+        sinks: fp32 sink logit per query head [Hq], or None.
+        q_positions: Global query positions [Sq] or [B, Sq] (None: ``arange(Sq)``).
+        kv_positions: Global key positions [Sk] or [B, Sk] (None: ``arange(Sk)``).
+        q_document_ids: Document of each query [Sq] or [B, Sq] (packed rows), or None.
+        kv_document_ids: Document of each key [Sk] or [B, Sk], or None.
+        return_lse: Also return the fp32 log-sum-exp (including the sink term).
 
     Returns:
         ``out`` [B, Hq, Sq, Dv] in the dtype of q, or ``(out, lse)`` with lse [B, Hq, Sq]
         in fp32 when ``return_lse``.
     """
-    _check(q_BHSD, k_BHSD, v_BHSD)
+    _check(q_BHSD, k_BHSD, v_BHSD, window, sinks)
     scale = 1.0 / math.sqrt(q_BHSD.shape[-1]) if scale is None else scale
     group = q_BHSD.shape[1] // k_BHSD.shape[1]
     k = k_BHSD.float().repeat_interleave(group, dim=1)  # [B, Hq, Sk, Dqk]
     v = v_BHSD.float().repeat_interleave(group, dim=1)  # [B, Hq, Sk, Dv]
     scores = torch.matmul(q_BHSD.float(), k.transpose(-2, -1)) * scale  # [B, Hq, Sq, Sk]
-    if causal:
-        seq_q, seq_k = scores.shape[-2:]
-        visible = torch.ones(seq_q, seq_k, dtype=torch.bool, device=scores.device).tril()
-        scores = scores.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [B, Hq, Sq]
-    probs = torch.exp(scores - lse.unsqueeze(-1))  # [B, Hq, Sq, Sk]
-    out = torch.matmul(probs, v).to(q_BHSD.dtype)  # [B, Hq, Sq, Dv]
+    mask = visible_mask(
+        q_positions,
+        kv_positions,
+        scores.shape[-2],
+        scores.shape[-1],
+        causal=causal,
+        window=window,
+        device=scores.device,
+        q_document_ids=q_document_ids,
+        kv_document_ids=kv_document_ids,
+    )
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    # A row with no visible key: max 0, sum 0 → out 0, lse -inf, finite gradients.
+    if scores.shape[-1] == 0:  # no keys at all (empty sequence)
+        row_max = scores.new_zeros(*scores.shape[:-1], 1)
+    else:
+        row_max = scores.amax(dim=-1, keepdim=True).detach()  # [B, Hq, Sq, 1]
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    exp_scores = torch.exp(scores - row_max)  # [B, Hq, Sq, Sk]
+    row_sum = exp_scores.sum(dim=-1, keepdim=True)  # [B, Hq, Sq, 1]
+    has_keys = row_sum > 0
+    safe_sum = torch.where(has_keys, row_sum, torch.ones_like(row_sum))
+    probs = exp_scores / safe_sum
+    lse = torch.where(
+        has_keys, row_max + torch.log(safe_sum), torch.full_like(row_sum, float("-inf"))
+    ).squeeze(-1)  # [B, Hq, Sq]
+    out = torch.matmul(probs, v)  # [B, Hq, Sq, Dv]
+    if sinks is not None:
+        out = apply_sinks(out, lse, sinks)
+        lse = torch.logaddexp(lse, sinks.float()[None, :, None].expand_as(lse))
+    out = out.to(q_BHSD.dtype)
     return (out, lse) if return_lse else out

@@ -17,6 +17,10 @@ labels that are not ``ignore_index``, and the int64 number of such labels. Norma
 the caller's job, so that a global token count can be used across ranks and micro-batches.
 Logits are computed in the dtype of the inputs and upcast to fp32 for the softmax, as
 Hugging Face models do.
+
+``z_loss_weight`` adds PaLM's z-loss ``z · logsumexp(logits)²`` per valid token to the sum
+(it keeps the softmax normalizer near 1); its gradient ``2z · lse · softmax`` folds into
+the same chunked pass.
 """
 
 import torch
@@ -25,9 +29,10 @@ from torch import Tensor
 
 __all__ = ["linear_cross_entropy", "linear_cross_entropy_reference"]
 
-# At most this many fp32 logits exist at once (2**26 × 4 B = 256 MiB); for V = 151,936
-# that is 441 tokens per chunk, enough to keep the matmuls efficient on an H200.
-_CHUNK_LOGITS_ELEMENTS = 2**26
+# At most this many fp32 logits exist at once (2**28 × 4 B = 1 GiB); for V = 151,936 that
+# is 1766 tokens per chunk. 2**26 (441 tokens) ran 2.3x slower than eager on an H200
+# (T = 8192: 81.7 ms vs 35.6 ms, bench_ops_moe.py): the chunk's matmuls were too small.
+_CHUNK_LOGITS_ELEMENTS = 2**28
 
 
 def _check(hidden_TD: Tensor, weight_VD: Tensor, labels_T: Tensor) -> None:
@@ -47,7 +52,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Forward computes the loss and both input gradients chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, hidden_TD, weight_VD, labels_T, ignore_index, chunk_tokens):
+    def forward(ctx, hidden_TD, weight_VD, labels_T, ignore_index, chunk_tokens, z_loss_weight):
         num_tokens, vocab_size = hidden_TD.shape[0], weight_VD.shape[0]
         need_hidden_grad, need_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         valid_T = labels_T != ignore_index  # [T]
@@ -66,11 +71,16 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             logits_CV = (h_CD @ weight_VD.T).float()  # [C, V]
             lse_C = torch.logsumexp(logits_CV, dim=-1)  # [C]
             target_logit_C = logits_CV.gather(1, target_C[:, None]).squeeze(1)  # [C]
-            loss_sum += torch.where(valid_C, lse_C - target_logit_C, 0.0).sum()
+            token_loss_C = lse_C - target_logit_C
+            if z_loss_weight:
+                token_loss_C = token_loss_C + z_loss_weight * lse_C.square()
+            loss_sum += torch.where(valid_C, token_loss_C, 0.0).sum()
             if not (need_hidden_grad or need_weight_grad):
                 continue
             # d(lse - logit_y)/d logits = softmax - onehot(y); zero for ignored rows.
             grad_logits_CV = torch.exp(logits_CV - lse_C[:, None])  # [C, V]
+            if z_loss_weight:  # d(z·lse²)/d logits = 2z·lse·softmax
+                grad_logits_CV *= (1.0 + 2.0 * z_loss_weight * lse_C)[:, None]
             grad_logits_CV[torch.arange(stop - start, device=h_CD.device), target_C] -= 1.0
             grad_logits_CV *= valid_C[:, None]
             grad_logits_CV = grad_logits_CV.to(hidden_TD.dtype)
@@ -92,11 +102,16 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_hidden_TD = (grad_hidden_TD * grad_loss).to(grad_hidden_TD.dtype)
         if grad_weight_VD is not None:
             grad_weight_VD = (grad_weight_VD * grad_loss).to(ctx.weight_dtype)
-        return grad_hidden_TD, grad_weight_VD, None, None, None
+        return grad_hidden_TD, grad_weight_VD, None, None, None, None
 
 
 def linear_cross_entropy(
-    hidden_TD: Tensor, weight_VD: Tensor, labels_T: Tensor, *, ignore_index: int = -100
+    hidden_TD: Tensor,
+    weight_VD: Tensor,
+    labels_T: Tensor,
+    *,
+    ignore_index: int = -100,
+    z_loss_weight: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     """Summed cross-entropy of ``hidden @ weight.T`` without materializing all logits.
 
@@ -105,6 +120,7 @@ def linear_cross_entropy(
         weight_VD: Output projection (lm head) [V, D], same dtype as ``hidden_TD``.
         labels_T: Target token ids [T]; entries equal to ``ignore_index`` are skipped.
         ignore_index: Label value that contributes neither loss nor gradient.
+        z_loss_weight: Weight z of the z-loss ``z · logsumexp²`` added per valid token.
 
     Returns:
         ``(loss_sum, num_valid)``: fp32 scalar sum of cross-entropy over valid labels, and
@@ -113,12 +129,17 @@ def linear_cross_entropy(
     _check(hidden_TD, weight_VD, labels_T)
     chunk_tokens = max(1, _CHUNK_LOGITS_ELEMENTS // max(1, weight_VD.shape[0]))
     return _ChunkedLinearCrossEntropy.apply(
-        hidden_TD, weight_VD, labels_T, ignore_index, chunk_tokens
+        hidden_TD, weight_VD, labels_T, ignore_index, chunk_tokens, float(z_loss_weight)
     )
 
 
 def linear_cross_entropy_reference(
-    hidden_TD: Tensor, weight_VD: Tensor, labels_T: Tensor, *, ignore_index: int = -100
+    hidden_TD: Tensor,
+    weight_VD: Tensor,
+    labels_T: Tensor,
+    *,
+    ignore_index: int = -100,
+    z_loss_weight: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     """Reference of :func:`linear_cross_entropy`: full fp32 logits and ``F.cross_entropy``.
 
@@ -127,6 +148,7 @@ def linear_cross_entropy_reference(
         weight_VD: Output projection (lm head) [V, D], same dtype as ``hidden_TD``.
         labels_T: Target token ids [T]; entries equal to ``ignore_index`` are skipped.
         ignore_index: Label value that contributes neither loss nor gradient.
+        z_loss_weight: Weight z of the z-loss ``z · logsumexp²`` added per valid token.
 
     Returns:
         ``(loss_sum, num_valid)``: fp32 scalar sum of cross-entropy over valid labels, and
@@ -135,4 +157,8 @@ def linear_cross_entropy_reference(
     _check(hidden_TD, weight_VD, labels_T)
     logits_TV = (hidden_TD @ weight_VD.T).float()  # [T, V]
     loss_sum = F.cross_entropy(logits_TV, labels_T, ignore_index=ignore_index, reduction="sum")
-    return loss_sum, (labels_T != ignore_index).sum()
+    valid_T = labels_T != ignore_index
+    if z_loss_weight:
+        lse_T = torch.logsumexp(logits_TV, dim=-1)
+        loss_sum = loss_sum + z_loss_weight * torch.where(valid_T, lse_T.square(), 0.0).sum()
+    return loss_sum, valid_T.sum()

@@ -2,19 +2,25 @@
 
 Legend: R routed rows, D input dim, O output dim, E experts.
 
-``y[rows of e] = x[rows of e] @ w[e].T`` with ``w`` laid out [E, O, D] like
+``y[rows of e] = x[rows of e] @ w[e].T (+ b[e])`` with ``w`` laid out [E, O, D] like
 ``nn.Linear.weight`` stacked over experts. Eager PyTorch loops over experts: E small
 matmuls, E launches and a host sync to read the counts, which leaves the GPU idle for
 small experts. A grouped GEMM runs all experts in one launch from device-side offsets.
 
-The public op uses ``torch._grouped_mm`` on CUDA for bf16 when the dims are 16-byte
-aligned (D and O multiples of 8); everywhere else it runs the reference loop.
+The public op is an autograd function: on CUDA for bf16 with 16-byte aligned dims
+(D and O multiples of 8) forward, input gradient and weight gradient are each one
+``torch._grouped_mm`` (the weight gradient groups the contraction dim: ``dyᵀ x`` per
+expert); elsewhere they are per-expert loops. The bias gradient is a segmented sum over
+each expert's rows (``torch.segment_reduce``, no atomics). With a
+:class:`~mt_ops.deferred_wgrad.WeightGradQueue` the weight gradient is deferred into it.
 """
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["GroupedLinear", "grouped_linear", "grouped_linear_reference"]
+from mt_ops.deferred_wgrad import WeightGradQueue, accumulate_grad
+
+__all__ = ["GroupedLinear", "grouped_linear", "grouped_linear_reference", "segment_sum"]
 
 # torch._grouped_mm needs 16-byte aligned row strides: 8 bf16 elements.
 _GROUPED_MM_ALIGN = 8
@@ -33,19 +39,8 @@ def _check(x_RD: Tensor, w_EOD: Tensor, tokens_per_expert_E: Tensor) -> None:
         )
 
 
-def grouped_linear(x_RD: Tensor, w_EOD: Tensor, tokens_per_expert_E: Tensor) -> Tensor:
-    """Multiply each expert's rows by that expert's weight (transposed).
-
-    Args:
-        x_RD: Routed rows [R, D], expert e's rows consecutive, in expert order.
-        w_EOD: Stacked weights [E, O, D].
-        tokens_per_expert_E: Rows per expert, integer [E], summing to R.
-
-    Returns:
-        ``y`` [R, O] in the dtype of ``x_RD``.
-    """
-    _check(x_RD, w_EOD, tokens_per_expert_E)
-    use_grouped_mm = (
+def _use_grouped_mm(x_RD: Tensor, w_EOD: Tensor) -> bool:
+    return (
         x_RD.is_cuda
         and x_RD.dtype == torch.bfloat16
         and w_EOD.dtype == torch.bfloat16
@@ -53,10 +48,140 @@ def grouped_linear(x_RD: Tensor, w_EOD: Tensor, tokens_per_expert_E: Tensor) -> 
         and w_EOD.shape[1] % _GROUPED_MM_ALIGN == 0
         and x_RD.shape[0] > 0
     )
-    if not use_grouped_mm:
-        return grouped_linear_reference(x_RD, w_EOD, tokens_per_expert_E)
-    offsets_E = torch.cumsum(tokens_per_expert_E, dim=0).to(torch.int32)  # [E], row ends
-    return torch._grouped_mm(x_RD, w_EOD.transpose(-2, -1), offs=offsets_E)  # [R, O]
+
+
+def _offsets(tokens_per_expert_E: Tensor) -> Tensor:
+    return torch.cumsum(tokens_per_expert_E, dim=0).to(torch.int32)  # [E], row ends
+
+
+def _split(t_RX: Tensor, tokens_per_expert_E: Tensor) -> tuple[Tensor, ...]:
+    counts = tokens_per_expert_E.tolist()  # host sync: the loop needs the split sizes
+    if sum(counts) != t_RX.shape[0]:
+        raise ValueError(
+            f"tokens_per_expert sums to {sum(counts)} but x has R={t_RX.shape[0]} rows; "
+            "counts must add up to the routed rows"
+        )
+    return torch.split(t_RX, counts, dim=0)
+
+
+def _forward(x_RD: Tensor, w_EOD: Tensor, tokens_per_expert_E: Tensor) -> Tensor:
+    if _use_grouped_mm(x_RD, w_EOD):
+        offs = _offsets(tokens_per_expert_E)
+        return torch._grouped_mm(x_RD, w_EOD.transpose(-2, -1), offs=offs)  # [R, O]
+    pieces = [x_e @ w_EOD[e].T for e, x_e in enumerate(_split(x_RD, tokens_per_expert_E))]
+    return torch.cat(pieces) if pieces else x_RD.new_zeros(x_RD.shape[0], w_EOD.shape[1])
+
+
+def _input_grad(dy_RO: Tensor, w_EOD: Tensor, tokens_per_expert_E: Tensor) -> Tensor:
+    if _use_grouped_mm(dy_RO, w_EOD) and w_EOD.shape[2] % _GROUPED_MM_ALIGN == 0:
+        return torch._grouped_mm(dy_RO, w_EOD, offs=_offsets(tokens_per_expert_E))  # [R, D]
+    pieces = [g_e @ w_EOD[e] for e, g_e in enumerate(_split(dy_RO, tokens_per_expert_E))]
+    return torch.cat(pieces) if pieces else dy_RO.new_zeros(dy_RO.shape[0], w_EOD.shape[2])
+
+
+def _weight_grad(dy_RO: Tensor, x_RD: Tensor, tokens_per_expert_E: Tensor, w_EOD: Tensor) -> Tensor:
+    if _use_grouped_mm(x_RD, w_EOD) and dy_RO.shape[1] % _GROUPED_MM_ALIGN == 0:
+        # Grouped over the contraction dim: dW[e] = dy[rows of e]ᵀ @ x[rows of e].
+        offs = _offsets(tokens_per_expert_E)
+        return torch._grouped_mm(dy_RO.T, x_RD, offs=offs)  # [E, O, D]
+    grad_EOD = torch.zeros(w_EOD.shape, dtype=dy_RO.dtype, device=dy_RO.device)
+    pairs = zip(_split(dy_RO, tokens_per_expert_E), _split(x_RD, tokens_per_expert_E), strict=True)
+    for e, (g_e, x_e) in enumerate(pairs):
+        if g_e.shape[0]:
+            grad_EOD[e] = g_e.T @ x_e
+    return grad_EOD
+
+
+def segment_sum(t_RO: Tensor, tokens_per_expert_E: Tensor) -> Tensor:
+    """Sums each expert's consecutive rows (the per-expert bias gradient), in fp32.
+
+    Args:
+        t_RO: Rows grouped by expert [R, O].
+        tokens_per_expert_E: Rows per expert [E], summing to R.
+
+    Returns:
+        fp32 [E, O]; zero for experts with no rows.
+    """
+    if t_RO.shape[0] == 0:
+        return t_RO.new_zeros(tokens_per_expert_E.numel(), t_RO.shape[1], dtype=torch.float32)
+    return torch.segment_reduce(
+        t_RO.float(),
+        "sum",
+        lengths=tokens_per_expert_E.to(t_RO.device),
+        axis=0,
+        unsafe=True,
+        initial=0.0,
+    )
+
+
+class _GroupedLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_RD, w_EOD, tokens_per_expert_E, bias_EO, queue, param):
+        y_RO = _forward(x_RD, w_EOD, tokens_per_expert_E)
+        if bias_EO is not None:
+            bias_RO = bias_EO.repeat_interleave(
+                tokens_per_expert_E, dim=0, output_size=x_RD.shape[0]
+            )  # [R, O]
+            y_RO = y_RO + bias_RO.to(y_RO.dtype)
+        ctx.save_for_backward(x_RD, w_EOD, tokens_per_expert_E)
+        ctx.bias_dtype = None if bias_EO is None else bias_EO.dtype
+        ctx.queue = queue
+        ctx.weight_param = param  # the leaf parameter (w_EOD may be its autocast copy)
+        return y_RO
+
+    @staticmethod
+    def backward(ctx, dy_RO):
+        x_RD, w_EOD, counts_E = ctx.saved_tensors
+        dy_RO = dy_RO.contiguous()
+        grad_x = _input_grad(dy_RO, w_EOD, counts_E) if ctx.needs_input_grad[0] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            if ctx.queue is None:
+                grad_w = _weight_grad(dy_RO, x_RD, counts_E, w_EOD)
+            else:
+                param = ctx.weight_param
+                ctx.queue.push(
+                    lambda: accumulate_grad(param, _weight_grad(dy_RO, x_RD, counts_E, w_EOD))
+                )
+        grad_b = None
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[3]:
+            grad_b = segment_sum(dy_RO, counts_E).to(ctx.bias_dtype)
+        return grad_x, grad_w, None, grad_b, None, None
+
+
+def grouped_linear(
+    x_RD: Tensor,
+    w_EOD: Tensor,
+    tokens_per_expert_E: Tensor,
+    bias_EO: Tensor | None = None,
+    *,
+    wgrad_queue: WeightGradQueue | None = None,
+) -> Tensor:
+    """Multiply each expert's rows by that expert's weight (transposed), plus its bias.
+
+    Args:
+        x_RD: Routed rows [R, D], expert e's rows consecutive, in expert order.
+        w_EOD: Stacked weights [E, O, D].
+        tokens_per_expert_E: Rows per expert, integer [E], summing to R.
+        bias_EO: Optional per-expert bias [E, O], added to each of the expert's rows.
+        wgrad_queue: If given, the weight gradient is pushed there instead of being
+            computed in the backward (see :mod:`mt_ops.deferred_wgrad`).
+
+    Returns:
+        ``y`` [R, O] in the dtype of ``x_RD``.
+    """
+    _check(x_RD, w_EOD, tokens_per_expert_E)
+    if bias_EO is not None and bias_EO.shape != w_EOD.shape[:2]:
+        raise ValueError(
+            f"bias shape ({tuple(bias_EO.shape)}) must be [E, O] = {tuple(w_EOD.shape[:2])}"
+        )
+    param = w_EOD
+    if torch.is_autocast_enabled(x_RD.device.type):
+        # A custom Function sees no autocast: compute in the autocast dtype explicitly, as
+        # nn.Linear would, and let autograd cast the gradient back to the parameter dtype.
+        dtype = torch.get_autocast_dtype(x_RD.device.type)
+        x_RD, w_EOD = x_RD.to(dtype), w_EOD.to(dtype)
+    return _GroupedLinearFn.apply(x_RD, w_EOD, tokens_per_expert_E, bias_EO, wgrad_queue, param)
 
 
 class GroupedLinear(nn.Module):
@@ -70,14 +195,17 @@ class GroupedLinear(nn.Module):
         num_experts: E, experts held by this module.
         in_features: D.
         out_features: O.
+        bias: Whether each expert has a bias ``bias`` [E, O] (GPT-OSS).
     """
 
-    def __init__(self, num_experts: int, in_features: int, out_features: int):
+    def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.num_experts = num_experts
         self.in_features = in_features
         self.out_features = out_features
         self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(num_experts, out_features)) if bias else None
+        self.wgrad_queue: WeightGradQueue | None = None
 
     def forward(self, x_RD: Tensor, tokens_per_expert_E: Tensor) -> Tensor:
         """Applies expert e's weight to its consecutive rows.
@@ -89,19 +217,24 @@ class GroupedLinear(nn.Module):
         Returns:
             ``y`` [R, O].
         """
-        return grouped_linear(x_RD, self.weight, tokens_per_expert_E)
+        return grouped_linear(
+            x_RD, self.weight, tokens_per_expert_E, self.bias, wgrad_queue=self.wgrad_queue
+        )
 
     def extra_repr(self) -> str:
         return f"{self.num_experts}, {self.in_features}, {self.out_features}"
 
 
-def grouped_linear_reference(x_RD: Tensor, w_EOD: Tensor, tokens_per_expert_E: Tensor) -> Tensor:
+def grouped_linear_reference(
+    x_RD: Tensor, w_EOD: Tensor, tokens_per_expert_E: Tensor, bias_EO: Tensor | None = None
+) -> Tensor:
     """Reference of :func:`grouped_linear`: a Python loop of one matmul per expert.
 
     Args:
         x_RD: Routed rows [R, D], expert e's rows consecutive, in expert order.
         w_EOD: Stacked weights [E, O, D].
         tokens_per_expert_E: Rows per expert, integer [E], summing to R.
+        bias_EO: Optional per-expert bias [E, O], added to each of the expert's rows.
 
     Returns:
         ``y`` [R, O] in the dtype of ``x_RD``.
@@ -114,7 +247,7 @@ def grouped_linear_reference(x_RD: Tensor, w_EOD: Tensor, tokens_per_expert_E: T
             "counts must add up to the routed rows"
         )
     pieces = [
-        x_e @ w_EOD[e].T  # [count_e, O]
+        x_e @ w_EOD[e].T + (0 if bias_EO is None else bias_EO[e].to(x_e.dtype))  # [count_e, O]
         for e, x_e in enumerate(torch.split(x_RD, counts, dim=0))
     ]
     if not pieces:

@@ -1,88 +1,169 @@
-"""MoE routing plan and token permutation (the single-device dispatch of tokens to experts).
+"""MoE token permutation: gather tokens into expert order, and the weighted combine back.
 
 Legend: T tokens, D model dim, E experts, K top-k, R routed rows (R = T·K).
 
-Each token picks K experts. To run experts as grouped GEMMs, the T·K (token, expert) pairs
-("slots", flat index ``t·K + k``) are sorted by expert so that each expert's rows are
-consecutive: ``permute`` gathers token rows into that order, ``unpermute`` brings expert
-outputs back, weights them by the router's top-k weights and sums the K rows per token.
+The routing plan (:mod:`mt_ops.moe_plan`) sorts the T·K slots by expert. ``permute``
+gathers token rows into that order; ``unpermute`` brings expert outputs back, weights them
+by the router's top-k weights and sums the K rows per token.
 
-Eager PyTorch plans with bincount + a stable argsort (+ an inverse permutation), which is a
-handful of small kernels and a device-wide sort; a fused kernel (later) builds counts,
-prefix sums and the scatter index with a counting sort in one or two launches.
-``unpermute`` here gathers with the inverse permutation and sums over K in a fixed order,
-so it is deterministic on every device (no atomics), and accumulates in fp32.
+Eager PyTorch permutes with ``index_select`` (fine) but its backward is an ``index_add``
+with atomics, and the combine is a gather, an fp32 upcast, a multiply and a sum, four passes
+with [T, K, D] fp32 temporaries, plus a backward of similar cost. The kernels here move each
+byte once: permute's backward and unpermute's forward are one *gather-sum* over each
+token's K rows (via the inverse permutation, fixed order, no atomics, fp32 accumulation),
+and unpermute's backward writes the routed-row gradient and the top-k weight gradient in one
+pass. On CPU the same math runs as eager PyTorch (``*_reference``).
 """
-
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-__all__ = ["DispatchPlan", "plan_dispatch", "permute", "unpermute"]
+from mt_ops._triton import launch, tl, triton, use_kernels
+from mt_ops.moe_plan import DispatchPlan, plan_dispatch, plan_dispatch_reference
+
+__all__ = [
+    "DispatchPlan",
+    "permute",
+    "permute_reference",
+    "plan_dispatch",
+    "plan_dispatch_reference",
+    "unpermute",
+    "unpermute_reference",
+]
+
+# Columns per loop step and warps, forward kernels and the unpermute backward: set by
+# bench_ops_moe.py's sweep on the H200.
+PERMUTE_CONFIG = {"BLOCK_D": 1024, "warps": 4, "bwd_BLOCK_D": 1024, "bwd_warps": 4}
 
 
-@dataclass(frozen=True)
-class DispatchPlan:
-    """Where each routed row comes from and goes back to.
-
-    Attributes:
-        tokens_per_expert_E: Rows per expert, int64 [E]; sums to T·K.
-        sorted_token_ids_R: Token index of each routed row, rows grouped by expert in
-            expert order, stable (token order) within an expert; int64 [R].
-        sorted_slot_R: Flat slot ``t·K + k`` of each routed row; int64 [R].
-        row_of_slot_R: Inverse of ``sorted_slot_R``: the routed row of each slot; int64 [R].
-        num_tokens: T.
-        topk: K.
-    """
-
-    tokens_per_expert_E: Tensor
-    sorted_token_ids_R: Tensor
-    sorted_slot_R: Tensor
-    row_of_slot_R: Tensor
-    num_tokens: int
-    topk: int
+@triton.jit
+def _gather_rows_kernel(
+    src_ptr, src_row_ptr, weight_ptr, weight_idx_ptr, dst_ptr, D,
+    HAS_WEIGHT: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0).to(tl.int64)
+    src_row = tl.load(src_row_ptr + r)
+    if HAS_WEIGHT:
+        w = tl.load(weight_ptr + tl.load(weight_idx_ptr + r)).to(tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        ok = cols < D
+        v = tl.load(src_ptr + src_row * D + cols, mask=ok)
+        if HAS_WEIGHT:
+            v = v.to(tl.float32) * w
+        tl.store(dst_ptr + r * D + cols, v.to(dst_ptr.dtype.element_ty), mask=ok)
 
 
-def plan_dispatch(topk_ids_TK: Tensor, num_experts: int) -> DispatchPlan:
-    """Sort the T·K (token, expert) slots by expert.
-
-    Args:
-        topk_ids_TK: Expert id of each token's k-th choice, integer [T, K], values in
-            [0, num_experts).
-        num_experts: E, the number of experts (the length of ``tokens_per_expert_E``).
-
-    Returns:
-        The :class:`DispatchPlan`; experts that receive no token have a count of zero.
-    """
-    if topk_ids_TK.dim() != 2:
-        raise ValueError(
-            f"topk_ids shape ({tuple(topk_ids_TK.shape)}) must be [T, K]; flatten batch "
-            "and sequence into T"
+@triton.jit
+def _gather_sum_kernel(
+    y_ptr, row_of_slot_ptr, weight_ptr, out_ptr, D, K,
+    HAS_WEIGHT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    ks = tl.arange(0, BLOCK_K)
+    k_ok = ks < K
+    rows = tl.load(row_of_slot_ptr + t * K + ks, mask=k_ok, other=0)
+    if HAS_WEIGHT:
+        w = tl.load(weight_ptr + t * K + ks, mask=k_ok, other=0.0).to(tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        ok = k_ok[:, None] & (cols < D)[None, :]
+        v = tl.load(y_ptr + rows[:, None] * D + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        if HAS_WEIGHT:
+            v = v * w[:, None]
+        tl.store(
+            out_ptr + t * D + cols, tl.sum(v, axis=0).to(out_ptr.dtype.element_ty), mask=cols < D
         )
-    if num_experts < 1:
-        raise ValueError(f"num_experts ({num_experts}) must be >= 1")
-    num_tokens, topk = topk_ids_TK.shape
-    ids_R = topk_ids_TK.reshape(-1).long()  # [T*K], slot order
-    if ids_R.numel() and (int(ids_R.min()) < 0 or int(ids_R.max()) >= num_experts):
+
+
+@triton.jit
+def _unpermute_bwd_kernel(
+    grad_out_ptr, y_ptr, row_of_slot_ptr, weight_ptr, grad_y_ptr, grad_w_ptr, D, K,
+    BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    ks = tl.arange(0, BLOCK_K)
+    k_ok = ks < K
+    rows = tl.load(row_of_slot_ptr + t * K + ks, mask=k_ok, other=0)
+    w = tl.load(weight_ptr + t * K + ks, mask=k_ok, other=0.0).to(tl.float32)
+    dots = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        c_ok = cols < D
+        ok = k_ok[:, None] & c_ok[None, :]
+        g = tl.load(grad_out_ptr + t * D + cols, mask=c_ok, other=0.0).to(tl.float32)
+        y = tl.load(y_ptr + rows[:, None] * D + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        dots += tl.sum(y * g[None, :], axis=1)
+        grad_y = (w[:, None] * g[None, :]).to(grad_y_ptr.dtype.element_ty)
+        tl.store(grad_y_ptr + rows[:, None] * D + cols[None, :], grad_y, mask=ok)
+    tl.store(grad_w_ptr + t * K + ks, dots.to(grad_w_ptr.dtype.element_ty), mask=k_ok)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _gather_rows(src, src_row, dst_rows, weight=None, weight_idx=None):
+    dst = torch.empty(dst_rows, src.shape[1], dtype=src.dtype, device=src.device)
+    launch(
+        _gather_rows_kernel, (dst_rows,), src, src_row,
+        src_row if weight is None else weight, src_row if weight_idx is None else weight_idx,
+        dst, src.shape[1], HAS_WEIGHT=weight is not None, BLOCK_D=PERMUTE_CONFIG["BLOCK_D"],
+        num_warps=PERMUTE_CONFIG["warps"],
+    )  # fmt: skip
+    return dst
+
+
+def _gather_sum(y_RD, plan, weights_TK=None):
+    out = torch.empty(plan.num_tokens, y_RD.shape[1], dtype=y_RD.dtype, device=y_RD.device)
+    launch(
+        _gather_sum_kernel, (plan.num_tokens,), y_RD, plan.row_of_slot_R,
+        y_RD if weights_TK is None else weights_TK, out, y_RD.shape[1], plan.topk,
+        HAS_WEIGHT=weights_TK is not None, BLOCK_K=_pow2(plan.topk),
+        BLOCK_D=PERMUTE_CONFIG["BLOCK_D"], num_warps=PERMUTE_CONFIG["warps"],
+    )  # fmt: skip
+    return out
+
+
+class _PermuteFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TD, plan):
+        ctx.plan = plan
+        return _gather_rows(x_TD, plan.sorted_token_ids_R, plan.num_tokens * plan.topk)
+
+    @staticmethod
+    def backward(ctx, grad_RD):
+        return _gather_sum(grad_RD.contiguous(), ctx.plan), None
+
+
+class _UnpermuteFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y_RD, plan, weights_TK):
+        ctx.plan = plan
+        ctx.save_for_backward(y_RD, weights_TK)
+        return _gather_sum(y_RD, plan, weights_TK)
+
+    @staticmethod
+    def backward(ctx, grad_TD):
+        y_RD, weights_TK = ctx.saved_tensors
+        plan = ctx.plan
+        grad_y = torch.empty_like(y_RD)
+        grad_w = torch.empty(weights_TK.shape, dtype=weights_TK.dtype, device=y_RD.device)
+        launch(
+            _unpermute_bwd_kernel, (plan.num_tokens,), grad_TD.contiguous(), y_RD,
+            plan.row_of_slot_R, weights_TK, grad_y, grad_w, y_RD.shape[1], plan.topk,
+            BLOCK_K=_pow2(plan.topk), BLOCK_D=PERMUTE_CONFIG["bwd_BLOCK_D"],
+            num_warps=PERMUTE_CONFIG["bwd_warps"],
+        )  # fmt: skip
+        return grad_y, None, grad_w
+
+
+def _check_permute(x_TD: Tensor, plan: DispatchPlan) -> None:
+    if x_TD.dim() != 2 or x_TD.shape[0] != plan.num_tokens:
         raise ValueError(
-            f"topk_ids values (min {int(ids_R.min())}, max {int(ids_R.max())}) must lie in "
-            f"[0, num_experts={num_experts}); check the router's output size"
+            f"x shape ({tuple(x_TD.shape)}) must be [T={plan.num_tokens}, D]; pass the "
+            "tokens the plan was made for"
         )
-    tokens_per_expert_E = torch.bincount(ids_R, minlength=num_experts)  # [E]
-    sorted_slot_R = torch.argsort(ids_R, stable=True)  # [R]
-    row_of_slot_R = torch.empty_like(sorted_slot_R)
-    row_of_slot_R[sorted_slot_R] = torch.arange(
-        sorted_slot_R.numel(), device=sorted_slot_R.device
-    )  # [R]
-    return DispatchPlan(
-        tokens_per_expert_E=tokens_per_expert_E,
-        sorted_token_ids_R=sorted_slot_R // topk if topk else sorted_slot_R,
-        sorted_slot_R=sorted_slot_R,
-        row_of_slot_R=row_of_slot_R,
-        num_tokens=num_tokens,
-        topk=topk,
-    )
 
 
 def permute(x_TD: Tensor, plan: DispatchPlan) -> Tensor:
@@ -95,12 +176,30 @@ def permute(x_TD: Tensor, plan: DispatchPlan) -> Tensor:
     Returns:
         Routed rows [R, D], expert e's rows consecutive, in expert order.
     """
-    if x_TD.dim() != 2 or x_TD.shape[0] != plan.num_tokens:
-        raise ValueError(
-            f"x shape ({tuple(x_TD.shape)}) must be [T={plan.num_tokens}, D]; pass the "
-            "tokens the plan was made for"
-        )
+    _check_permute(x_TD, plan)
+    if not use_kernels(x_TD) or plan.num_tokens * plan.topk == 0:
+        return permute_reference(x_TD, plan)
+    return _PermuteFn.apply(x_TD.contiguous(), plan)
+
+
+def permute_reference(x_TD: Tensor, plan: DispatchPlan) -> Tensor:
+    """Eager reference of :func:`permute`: ``index_select`` (same arguments and result)."""
+    _check_permute(x_TD, plan)
     return x_TD.index_select(0, plan.sorted_token_ids_R)  # [R, D]
+
+
+def _check_unpermute(y_RD: Tensor, plan: DispatchPlan, topk_weights_TK: Tensor) -> None:
+    num_tokens, topk = plan.num_tokens, plan.topk
+    if y_RD.dim() != 2 or y_RD.shape[0] != num_tokens * topk:
+        raise ValueError(
+            f"y shape ({tuple(y_RD.shape)}) must be [R={num_tokens * topk}, D]; pass one "
+            "output row per routed row"
+        )
+    if tuple(topk_weights_TK.shape) != (num_tokens, topk):
+        raise ValueError(
+            f"topk_weights shape ({tuple(topk_weights_TK.shape)}) must be "
+            f"[T, K] = [{num_tokens}, {topk}]"
+        )
 
 
 def unpermute(y_RD: Tensor, plan: DispatchPlan, topk_weights_TK: Tensor) -> Tensor:
@@ -115,18 +214,22 @@ def unpermute(y_RD: Tensor, plan: DispatchPlan, topk_weights_TK: Tensor) -> Tens
         ``out[t] = Σ_k w[t, k] · y[row of (t, k)]``, shape [T, D], dtype of ``y_RD``,
         summed in fp32.
     """
+    _check_unpermute(y_RD, plan, topk_weights_TK)
+    if not use_kernels(y_RD, topk_weights_TK) or plan.num_tokens * plan.topk == 0:
+        return unpermute_reference(y_RD, plan, topk_weights_TK)
+    return _UnpermuteFn.apply(y_RD.contiguous(), plan, topk_weights_TK.contiguous())
+
+
+def unpermute_reference(y_RD: Tensor, plan: DispatchPlan, topk_weights_TK: Tensor) -> Tensor:
+    """Eager reference of :func:`unpermute` (same arguments and result)."""
+    _check_unpermute(y_RD, plan, topk_weights_TK)
     num_tokens, topk = plan.num_tokens, plan.topk
-    if y_RD.dim() != 2 or y_RD.shape[0] != num_tokens * topk:
-        raise ValueError(
-            f"y shape ({tuple(y_RD.shape)}) must be [R={num_tokens * topk}, D]; pass one "
-            "output row per routed row"
-        )
-    if tuple(topk_weights_TK.shape) != (num_tokens, topk):
-        raise ValueError(
-            f"topk_weights shape ({tuple(topk_weights_TK.shape)}) must be "
-            f"[T, K] = [{num_tokens}, {topk}]"
-        )
     y_SD = y_RD.index_select(0, plan.row_of_slot_R)  # [T*K, D], slot order
     y_TKD = y_SD.view(num_tokens, topk, y_RD.shape[1])  # [T, K, D]
     weighted_TKD = y_TKD.float() * topk_weights_TK.float().unsqueeze(-1)  # [T, K, D]
     return weighted_TKD.sum(dim=1).to(y_RD.dtype)  # [T, D]
+
+
+def _kernel_functions_for_test():
+    """The autograd functions of the kernel path, runnable on CPU through the interpreter."""
+    return _PermuteFn, _UnpermuteFn

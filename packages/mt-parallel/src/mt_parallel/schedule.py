@@ -18,10 +18,15 @@ from torch import nn
 
 @dataclass
 class MicroBatch:
-    """Input ids and labels of one micro-batch, both [B, S]."""
+    """Input ids and labels of one micro-batch, both [B, S], and optional positions.
+
+    `positions` ([S], int64) are the global token positions when the sequence is a
+    context-parallel slice; None means 0..S-1.
+    """
 
     input_ids: torch.Tensor
     labels: torch.Tensor
+    positions: torch.Tensor | None = None
 
 
 @dataclass
@@ -65,7 +70,12 @@ def run_microbatches(
     num_tokens = torch.zeros((), dtype=torch.int64)
     aux = torch.zeros((), dtype=torch.float64)
     for mb in microbatches:
-        out = model.loss(mb.input_ids, mb.labels, ignore_index=ignore_index)
+        if mb.positions is None:
+            out = model.loss(mb.input_ids, mb.labels, ignore_index=ignore_index)
+        else:
+            out = model.loss(
+                mb.input_ids, mb.labels, ignore_index=ignore_index, position_ids=mb.positions
+            )
         # The aux loss is a per-micro-batch mean already; average it over micro-batches.
         loss = out.ce_sum / global_num_tokens + out.aux_loss / len(microbatches)
         loss.backward()

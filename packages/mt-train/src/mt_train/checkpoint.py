@@ -26,8 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
@@ -70,26 +72,69 @@ def latest_checkpoint(root: str | Path) -> Checkpoint | None:
     return checkpoints[-1] if checkpoints else None
 
 
-def _tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Maps canonical keys to (views of) the live model and optimizer tensors."""
-    tensors = {f"model/{k}": v.detach() for k, v in model.canonical_parameters().items()}
-    fqn_of = {param: name for name, param in model.named_parameters()}
-    steps = []
-    for param, state in optimizer.state.items():
-        if not state:
-            continue
-        fqn = fqn_of[param]
-        for moment in ("exp_avg", "exp_avg_sq"):
-            for key, view in model.to_canonical({fqn: state[moment]}).items():
-                tensors[f"optim/{key}/{moment}"] = view
-        steps.append(state["step"])
-    if steps:
-        assert all(torch.equal(s, steps[0]) for s in steps), "optimizer steps differ"
-        tensors["optim/step"] = steps[0].detach().clone()
-    tensors["rng/cpu"] = torch.get_rng_state()
-    if torch.cuda.is_available():
-        tensors["rng/cuda"] = torch.cuda.get_rng_state()
-    return tensors
+class _Tensors:
+    """The canonical tensors of a model and optimizer, and how to write loads back.
+
+    In one process the tensors are views of the live parameters and states, so DCP
+    loads straight into them. Under FSDP2 a parameter is a DTensor shard: saving
+    gathers it to a whole tensor (identical on the ranks that hold replicas, so DCP
+    writes it once); loading fills a whole tensor and copies this rank's shard back.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, for_load: bool):
+        self.writeback: list[tuple[DTensor, torch.Tensor]] = []
+        self._for_load = for_load
+        params = dict(model.named_parameters())
+        self.tensors = {
+            f"model/{k}": v
+            for k, v in model.to_canonical(
+                {name: self._whole(p) for name, p in params.items()}
+            ).items()
+        }
+        fqn_of = {param: name for name, param in params.items()}
+        steps = []
+        for param, state in optimizer.state.items():
+            if not state:
+                continue
+            fqn = fqn_of[param]
+            for moment in ("exp_avg", "exp_avg_sq"):
+                whole = {fqn: self._whole(state[moment])}
+                for key, view in model.to_canonical(whole).items():
+                    self.tensors[f"optim/{key}/{moment}"] = view
+            steps.append(state["step"])
+        self.steps = steps
+        if steps:
+            assert all(torch.equal(s, steps[0]) for s in steps), "optimizer steps differ"
+            self.tensors["optim/step"] = steps[0].detach().clone()
+        self.tensors["rng/cpu"] = torch.get_rng_state()
+        if torch.cuda.is_available():
+            self.tensors["rng/cuda"] = torch.cuda.get_rng_state()
+
+    def _whole(self, t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, DTensor):
+            return t.detach()
+        if not self._for_load:
+            return t.detach().full_tensor()
+        whole = torch.empty(t.shape, dtype=t.dtype, device=t.to_local().device)
+        self.writeback.append((t, whole))
+        return whole
+
+    def write_back(self) -> None:
+        """Copies loaded whole tensors into this rank's DTensor shards."""
+        for dtensor, whole in self.writeback:
+            shard = distribute_tensor(
+                whole, dtensor.device_mesh, dtensor.placements, src_data_rank=None
+            )
+            dtensor.to_local().detach().copy_(shard.to_local())
+
+
+def _is_main() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -123,31 +168,37 @@ def save_checkpoint(
         The new checkpoint.
     """
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
     tmp = root / f".tmp-step_{step:08d}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    if _is_main():
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    _barrier()
+    tensors = _Tensors(model, optimizer, for_load=False).tensors
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(_tensors(model, optimizer), checkpoint_id=tmp)
-    state = {"format_version": FORMAT_VERSION, "step": step, **train_state}
-    with open(tmp / _STATE_FILE, "w") as f:
-        json.dump(state, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    _fsync_dir(tmp)
-    if final.exists():  # saving the same step again: swap, never delete before rename
-        stale = root / f".old-step_{step:08d}"
-        shutil.rmtree(stale, ignore_errors=True)
-        os.rename(final, stale)
-        os.rename(tmp, final)
-        shutil.rmtree(stale)
-    else:
-        os.rename(tmp, final)
-    _fsync_dir(root)
-    for old in list_checkpoints(root)[:-keep_last]:
-        shutil.rmtree(old.path)
+        dcp.save(tensors, checkpoint_id=tmp)
+    _barrier()  # every rank's files are written
+    if _is_main():
+        state = {"format_version": FORMAT_VERSION, "step": step, **train_state}
+        with open(tmp / _STATE_FILE, "w") as f:
+            json.dump(state, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if final.exists():  # saving the same step again: swap, never delete before rename
+            stale = root / f".old-step_{step:08d}"
+            shutil.rmtree(stale, ignore_errors=True)
+            os.rename(final, stale)
+            os.rename(tmp, final)
+            shutil.rmtree(stale)
+        else:
+            os.rename(tmp, final)
+        _fsync_dir(root)
+        for old in list_checkpoints(root)[:-keep_last]:
+            shutil.rmtree(old.path)
+    _barrier()
     return Checkpoint(path=final, step=step)
 
 
@@ -166,7 +217,8 @@ def load_checkpoint(
     Returns:
         The checkpoint's JSON train state.
     """
-    tensors = _tensors(model, optimizer)
+    loaded = _Tensors(model, optimizer, for_load=True)
+    tensors = loaded.tensors
     metadata = dcp.FileSystemReader(checkpoint.path).read_metadata()
     missing = sorted(set(tensors) - set(metadata.state_dict_metadata))
     if missing:
@@ -179,6 +231,7 @@ def load_checkpoint(
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(tensors, checkpoint_id=checkpoint.path)
+    loaded.write_back()
     if "optim/step" in tensors:
         for state in optimizer.state.values():
             if state:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from mt_train.recipes import RECIPES
@@ -66,7 +67,8 @@ def _configure_logging() -> None:
     handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
     logger = logging.getLogger("mt_train")
     logger.handlers[:] = [handler]
-    logger.setLevel(logging.INFO)
+    # Under torchrun only rank 0 reports progress; every rank reports warnings.
+    logger.setLevel(logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING)
     logger.propagate = False
 
 

@@ -48,7 +48,9 @@ class TrainingConfig:
         max_steps: optimizer steps of the whole run.
         global_batch_size: sequences per optimizer step, over all ranks; fixed
             whatever the parallel layout.
-        micro_batch_size: sequences per forward/backward on one rank.
+        micro_batch_size: sequences per forward/backward, counted over all dp·ep batch
+            ranks (each runs micro_batch_size / (dp·ep)), so a micro-batch, and its
+            load-balancing loss, holds the same sequences whatever the layout.
         lr: peak learning rate.
         min_lr_ratio: the cosine decay ends at lr * min_lr_ratio.
         warmup_steps: linear warm-up steps from 0 to lr.
@@ -133,12 +135,32 @@ class CheckpointConfig:
 
 @dataclass
 class ParallelConfig:
-    """Mesh sizes; dp = -1 takes the rest of the world (ARCHITECTURE.md §5)."""
+    """The parallel layout (ARCHITECTURE.md §5) and how collectives behave.
+
+    Attributes:
+        pp: pipeline-parallel size.
+        dp: data-parallel (FSDP) size; -1 takes world_size // (pp·cp·ep).
+        cp: context-parallel size (zigzag sequence chunks).
+        ep: expert-parallel size; must divide the number of experts.
+        reshard_after_forward: FSDP2 frees gathered layer weights after forward.
+        timeout_s: a collective that waits longer than this ends the run with an error.
+    """
 
     pp: int = 1
     dp: int = -1
     cp: int = 1
     ep: int = 1
+    reshard_after_forward: bool = True
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        for name in ("pp", "cp", "ep"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parallel.{name} ({getattr(self, name)}) must be >= 1")
+        if self.dp < 1 and self.dp != -1:
+            raise ValueError(f"parallel.dp ({self.dp}) must be >= 1, or -1 to fill the world")
+        if self.timeout_s <= 0:
+            raise ValueError(f"parallel.timeout_s ({self.timeout_s}) must be > 0")
 
 
 @dataclass

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from mt_models import qwen3_moe
+from mt_models import deepseek_v2, gpt_oss, qwen3_moe
 from mt_train.config import (
     CheckpointConfig,
     DataConfig,
@@ -34,6 +34,28 @@ def debug() -> JobConfig:
     )
 
 
+def debug_deepseek_v2() -> JobConfig:
+    """A tiny DeepSeek-V2 (MLA, 8 experts top-2 in 4 groups, a shared expert) on the corpus.
+
+    Its first layer is dense; the training schedule is the `debug` recipe's.
+    """
+    cfg = debug()
+    cfg.model = deepseek_v2.debug()
+    cfg.run_dir = "runs/debug-deepseek-v2"
+    return cfg
+
+
+def debug_gpt_oss() -> JobConfig:
+    """A tiny GPT-OSS (sinks, 64-token windows, YaRN, 8 biased experts top-2) on the corpus.
+
+    Sliding-window and full layers alternate; the training schedule is the `debug` recipe's.
+    """
+    cfg = debug()
+    cfg.model = gpt_oss.debug()
+    cfg.run_dir = "runs/debug-gpt-oss"
+    return cfg
+
+
 def qwen3_30b_a3b() -> JobConfig:
     """Qwen3-30B-A3B (128 experts, top-8) at sequence length 4096."""
     return JobConfig(
@@ -53,6 +75,8 @@ def qwen3_30b_a3b() -> JobConfig:
 
 RECIPES: dict[str, Callable[[], JobConfig]] = {
     "debug": debug,
+    "debug-deepseek-v2": debug_deepseek_v2,
+    "debug-gpt-oss": debug_gpt_oss,
     "qwen3-30b-a3b": qwen3_30b_a3b,
 }
 

@@ -20,14 +20,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-import numpy as np
 import torch
 
 from mt_data import DataExhausted, TokenDataset, default_corpus_dir
 from mt_models import build_model
-from mt_parallel import MicroBatch, ParallelDims, run_microbatches
+from mt_parallel import (
+    MicroBatch,
+    ParallelDims,
+    ParallelMesh,
+    check_batch_split,
+    clip_grad_norm,
+    parallelize,
+    run_microbatches,
+    zigzag_ranges,
+)
+from mt_parallel.context_parallel import split_sample
 from mt_train.checkpoint import checkpoint_root, latest_checkpoint, load_checkpoint, save_checkpoint
 from mt_train.config import JobConfig
+from mt_train.distributed import Env, all_reduce, barrier, init_distributed
 from mt_train.metrics import MetricsLogger, peak_flops
 from mt_train.optim import build_optimizer, lr_at, set_lr
 from mt_train.overrides import flatten
@@ -38,21 +48,28 @@ IGNORE_INDEX = -100
 
 @dataclass
 class TrainState:
-    """Everything the loop owns: config, model, optimizer, data and counters."""
+    """Everything the loop owns: config, model, optimizer, data, layout and counters."""
 
     cfg: JobConfig
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     dataset: TokenDataset
-    device: torch.device
+    env: Env
+    dims: ParallelDims
+    mesh: ParallelMesh | None
     autocast_dtype: torch.dtype | None
     step: int = 0
     skipped_steps: int = 0
     stop_requested: bool = False
     losses: list[float] = field(default_factory=list)
 
+    @property
+    def device(self) -> torch.device:
+        """The device of this rank."""
+        return self.env.device
 
-def _resolve_device(cfg: JobConfig) -> tuple[torch.device, torch.dtype | None]:
+
+def _resolve_device(cfg: JobConfig) -> tuple[str, torch.dtype | None]:
     want = cfg.training.device
     if want == "auto":
         want = "cuda" if torch.cuda.is_available() else "cpu"
@@ -61,11 +78,14 @@ def _resolve_device(cfg: JobConfig) -> tuple[torch.device, torch.dtype | None]:
     dtype = cfg.training.dtype
     if dtype == "auto":
         dtype = "bfloat16" if want == "cuda" else "float32"
-    return torch.device(want), (torch.bfloat16 if dtype == "bfloat16" else None)
+    return want, (torch.bfloat16 if dtype == "bfloat16" else None)
 
 
 def setup(cfg: JobConfig) -> TrainState:
-    """Builds data, model (meta → materialize → init_weights) and optimizer, then resumes.
+    """Builds data, model (meta → parallelize → init_weights) and optimizer, then resumes.
+
+    Under torchrun the process joins the process group first; the layout comes from
+    `cfg.parallel` and the world size.
 
     Args:
         cfg: the resolved run config.
@@ -75,14 +95,23 @@ def setup(cfg: JobConfig) -> TrainState:
     """
     if cfg.training.num_threads:
         torch.set_num_threads(cfg.training.num_threads)
-    dims = ParallelDims(world_size=1, **vars(cfg.parallel))
+    device_type, autocast_dtype = _resolve_device(cfg)
+    env = init_distributed(device_type, cfg.parallel.timeout_s)
+    par = cfg.parallel
+    dims = ParallelDims(world_size=env.world_size, pp=par.pp, dp=par.dp, cp=par.cp, ep=par.ep)
     dims.validate_model(
         num_experts=getattr(cfg.model, "num_experts", 1),
         num_heads=cfg.model.num_attention_heads,
         seq_len=cfg.data.seq_len,
     )
-    device, autocast_dtype = _resolve_device(cfg)
-    data_dir = Path(cfg.data.path) if cfg.data.path else default_corpus_dir()
+    check_batch_split(cfg.training.global_batch_size, cfg.training.micro_batch_size, dims)
+    if cfg.data.path:
+        data_dir = Path(cfg.data.path)
+    else:  # one rank builds the embedded corpus, the others wait and read it
+        if env.is_main:
+            default_corpus_dir()
+        barrier()
+        data_dir = default_corpus_dir()
     dataset = TokenDataset(
         data_dir, cfg.data.seq_len, seed=cfg.seed, on_exhausted=cfg.data.on_exhausted
     )
@@ -94,17 +123,27 @@ def setup(cfg: JobConfig) -> TrainState:
         )
     with torch.device("meta"):
         model = build_model(cfg.model)
-    model.to_empty(device=device)
-    model.init_weights(cfg.seed)
+    mesh = None
+    if env.world_size > 1:
+        mesh = parallelize(
+            model, dims, env.device, seed=cfg.seed,
+            param_dtype=autocast_dtype, reshard_after_forward=par.reshard_after_forward,
+        )
+    else:
+        model.to_empty(device=env.device)
+        model.init_weights(cfg.seed)
     optimizer = build_optimizer(model, cfg.training)
-    state = TrainState(cfg, model, optimizer, dataset, device, autocast_dtype)
+    state = TrainState(cfg, model, optimizer, dataset, env, dims, mesh, autocast_dtype)
     run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if env.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    barrier()
     if cfg.checkpoint.resume:
         checkpoint = latest_checkpoint(checkpoint_root(run_dir))
         if checkpoint is not None:
             _resume(state, checkpoint)
-    _write_json_atomic(run_dir / "config.json", cfg.to_dict())
+    if env.is_main:
+        _write_json_atomic(run_dir / "config.json", cfg.to_dict())
     return state
 
 
@@ -114,8 +153,12 @@ def _resume(state: TrainState, checkpoint) -> None:
     state.dataset.load_state_dict(saved["data"])
     state.skipped_steps = saved.get("skipped_steps", 0)
     log.info("resumed from %s (step %d)", checkpoint.path, state.step)
-    old, new = flatten(saved["config"]), flatten(state.cfg.to_dict())
+    # Compare as JSON sees them (tuples and lists are one kind there).
+    old = flatten(saved["config"])
+    new = flatten(json.loads(json.dumps(state.cfg.to_dict())))
     changed = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    if not state.env.is_main:
+        return
     if changed:
         diff = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed)
         log.warning("config differs from the checkpoint; the new config wins: %s", diff)
@@ -146,29 +189,54 @@ def _peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def train_step(state: TrainState, tokens: np.ndarray) -> dict[str, Any]:
-    """Runs one optimizer step on the rank's sequences.
+def next_microbatches(state: TrainState) -> list[MicroBatch]:
+    """Reads this rank's share of the next global batch, micro-batch by micro-batch.
+
+    Each micro-batch holds `training.micro_batch_size` sequences over all dp·ep batch
+    ranks; this rank gets its rows and, under context parallelism, its zigzag columns.
+
+    Args:
+        state: the loop state (the data loader advances).
+
+    Returns:
+        The micro-batches, on this rank's device.
+    """
+    cfg, dims = state.cfg, state.dims
+    micro = cfg.training.micro_batch_size
+    batch_rank = state.mesh.batch_rank if state.mesh else 0
+    cp_rank = state.mesh.rank("cp") if state.mesh else 0
+    ranges = zigzag_ranges(cfg.data.seq_len, dims.cp, cp_rank) if dims.cp > 1 else None
+    microbatches = []
+    for _ in range(cfg.training.global_batch_size // micro):
+        rows = state.dataset.take(
+            micro, rank=batch_rank, world_size=dims.batch_ranks, token_ranges=ranges
+        )
+        tokens = torch.from_numpy(rows).to(state.device, non_blocking=True)
+        if ranges is None:
+            microbatches.append(MicroBatch(tokens[:, :-1], tokens[:, 1:]))
+        else:
+            inputs, labels, positions = split_sample(tokens, ranges)
+            microbatches.append(MicroBatch(inputs, labels, positions))
+    return microbatches
+
+
+def train_step(state: TrainState, microbatches: list[MicroBatch]) -> dict[str, Any]:
+    """Runs one optimizer step on this rank's micro-batches.
 
     Args:
         state: the loop state (advanced in place).
-        tokens: int64 array [batch, seq_len + 1]; inputs are tokens[:, :-1], labels
-            tokens[:, 1:].
+        microbatches: from `next_microbatches`.
 
     Returns:
-        The step's metrics.
+        The step's metrics (global values, equal on every rank).
     """
     cfg = state.cfg
     start = time.perf_counter()
     step = state.step + 1
     lr = lr_at(step, cfg.training)
     set_lr(state.optimizer, lr)
-    batch = torch.from_numpy(tokens).to(state.device, non_blocking=True)
-    inputs, labels = batch[:, :-1], batch[:, 1:]
-    mbs = cfg.training.micro_batch_size
-    microbatches = [
-        MicroBatch(inputs[i : i + mbs], labels[i : i + mbs]) for i in range(0, len(batch), mbs)
-    ]
-    global_num_tokens = int((labels != IGNORE_INDEX).sum())
+    local_tokens = sum(int((mb.labels != IGNORE_INDEX).sum()) for mb in microbatches)
+    global_num_tokens = int(all_reduce(torch.tensor(local_tokens, device=state.device)))
     autocast = (
         torch.autocast(state.device.type, dtype=state.autocast_dtype)
         if state.autocast_dtype is not None
@@ -178,12 +246,12 @@ def train_step(state: TrainState, tokens: np.ndarray) -> dict[str, Any]:
         result = run_microbatches(
             state.model, microbatches, global_num_tokens, ignore_index=IGNORE_INDEX
         )
-    params = [p for p in state.model.parameters() if p.grad is not None]
+    group = state.mesh.group("dp_cp_ep") if state.mesh else None
     max_norm = cfg.training.grad_clip if cfg.training.grad_clip > 0 else math.inf
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-    loss = float(result.ce_sum) / global_num_tokens
-    finite = math.isfinite(loss) and math.isfinite(grad_norm)
-    if finite:
+    grad_norm = clip_grad_norm(state.model.parameters(), max_norm, group)
+    ce_sum = all_reduce(result.ce_sum.to(state.device))
+    loss = float(ce_sum) / global_num_tokens
+    if math.isfinite(loss) and math.isfinite(grad_norm):
         state.optimizer.step()
     else:
         state.skipped_steps += 1
@@ -195,7 +263,7 @@ def train_step(state: TrainState, tokens: np.ndarray) -> dict[str, Any]:
     elapsed = time.perf_counter() - start
     state.step = step
     state.losses.append(loss)
-    num_tokens = tokens.shape[0] * (tokens.shape[1] - 1)
+    num_tokens = cfg.training.global_batch_size * cfg.data.seq_len
     tokens_per_s = num_tokens / elapsed
     flops = state.model.flops_per_token(cfg.data.seq_len) * tokens_per_s
     measured_peak, spec_peak = (
@@ -203,6 +271,7 @@ def train_step(state: TrainState, tokens: np.ndarray) -> dict[str, Any]:
         if state.device.type == "cuda"
         else (None, None)
     )
+    world = state.env.world_size
     return {
         "step": step,
         "loss": loss,
@@ -210,9 +279,10 @@ def train_step(state: TrainState, tokens: np.ndarray) -> dict[str, Any]:
         "lr": lr,
         "grad_norm": grad_norm,
         "tokens_per_s": tokens_per_s,
-        "tflops": flops / 1e12,
-        "mfu": flops / measured_peak if measured_peak else None,
-        "mfu_spec": flops / spec_peak if spec_peak else None,
+        "tokens_per_s_per_device": tokens_per_s / world,
+        "tflops_per_device": flops / 1e12 / world,
+        "mfu": flops / world / measured_peak if measured_peak else None,
+        "mfu_spec": flops / world / spec_peak if spec_peak else None,
         "step_time_s": elapsed,
         "peak_memory_gb": _peak_memory_gb(state.device),
         "skipped_steps": state.skipped_steps,
@@ -273,18 +343,25 @@ def pretrain(cfg: JobConfig, *, stream: TextIO | None = None) -> TrainState:
             "Raise training.max_steps to continue it.", cfg.run_dir, state.step, max_steps,
         )
         return state
-    metrics = MetricsLogger(cfg.run_dir, max_steps, state.step, cfg.log_every, stream)
+    metrics = (
+        MetricsLogger(cfg.run_dir, max_steps, state.step, cfg.log_every, stream)
+        if state.env.is_main
+        else None
+    )
     last_saved = state.step
     try:
         with _stop_on_signals(state):
             while state.step < max_steps and not state.stop_requested:
                 try:
-                    tokens = state.dataset.take(cfg.training.global_batch_size)
+                    microbatches = next_microbatches(state)
                 except DataExhausted:
                     log.warning("the data ran out at step %d (data.on_exhausted='stop')",
                                 state.step)
                     break
-                metrics.log(train_step(state, tokens))
+                step_metrics = train_step(state, microbatches)
+                if metrics is not None:
+                    metrics.log(step_metrics)
+                state.stop_requested = _agree_to_stop(state)
                 interval = cfg.checkpoint.interval
                 if interval and state.step % interval == 0:
                     _save(state)
@@ -292,5 +369,12 @@ def pretrain(cfg: JobConfig, *, stream: TextIO | None = None) -> TrainState:
         if state.step != last_saved:
             _save(state)
     finally:
-        metrics.close()
+        if metrics is not None:
+            metrics.close()
     return state
+
+
+def _agree_to_stop(state: TrainState) -> bool:
+    """All ranks stop at the same step boundary if any of them received a signal."""
+    flag = torch.tensor(int(state.stop_requested), device=state.device)
+    return bool(all_reduce(flag, op="max"))

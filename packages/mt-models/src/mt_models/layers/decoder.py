@@ -7,7 +7,6 @@ from torch import Tensor, nn
 
 from mt_models.dispatch import LocalDispatcher
 from mt_models.layers.experts import MoEBlock
-from mt_models.layers.rope import RotaryEmbedding
 from mt_models.protocol import Dispatcher, LayerOutput, Routed
 
 
@@ -18,11 +17,11 @@ class DecoderLayer(nn.Module):
     (``input_layernorm``, ``self_attn``, ``post_attention_layernorm``, ``mlp``).
 
     Args:
-        self_attn: Attention module called as ``self_attn(x_BSD, cos_SD, sin_SD)``.
+        self_attn: Attention module called as ``self_attn(x_BSD, position_ids)`` (it owns
+            its RoPE and its ``attention_core``).
         mlp: A :class:`MoEBlock` (sparse layer) or a dense MLP module.
         input_layernorm: Norm before attention.
         post_attention_layernorm: Norm before the MLP / router.
-        rotary: Produces the RoPE tables.
     """
 
     def __init__(
@@ -31,45 +30,46 @@ class DecoderLayer(nn.Module):
         mlp: nn.Module,
         input_layernorm: nn.Module,
         post_attention_layernorm: nn.Module,
-        rotary: RotaryEmbedding,
     ):
         super().__init__()
         self.input_layernorm = input_layernorm
         self.self_attn = self_attn
         self.post_attention_layernorm = post_attention_layernorm
         self.mlp = mlp
-        self.rotary = rotary
         self.is_moe = isinstance(mlp, MoEBlock)
         # Swapped by mt-parallel for an expert-parallel dispatcher.
         self.dispatcher: Dispatcher | None = (
             LocalDispatcher(mlp.experts.num_experts) if self.is_moe else None
         )
 
-    def attend(self, x_BSD: Tensor) -> Routed:
-        """Norm, causal attention, residual, norm, and (MoE layers) the router.
+    def attend(self, x_BSD: Tensor, position_ids: Tensor | None = None) -> Routed:
+        """Norm, causal attention, residual, norm, and (MoE layers) the router and shared
+        experts.
 
         Args:
             x_BSD: Layer input [B, S, D].
+            position_ids: Token positions [S] or [B, S] (set RoPE); None for ``arange(S)``.
 
         Returns:
             The :class:`Routed` record; dense layers leave the top-k fields None.
         """
         batch, seq_len, dim = x_BSD.shape
-        cos_SD, sin_SD = self.rotary(seq_len, x_BSD.device)
-        h_BSD = x_BSD + self.self_attn(self.input_layernorm(x_BSD), cos_SD, sin_SD)
+        h_BSD = x_BSD + self.self_attn(self.input_layernorm(x_BSD), position_ids)
         residual_TD = h_BSD.reshape(batch * seq_len, dim)  # [T, D]
         hidden_TD = self.post_attention_layernorm(residual_TD)  # [T, D]
         if not self.is_moe:
             return Routed(
                 hidden_TD=hidden_TD, residual_TD=residual_TD, batch_shape=(batch, seq_len)
             )
-        decision = self.mlp.gate(hidden_TD)
+        decision = self.mlp.topk_router(hidden_TD, batch)
+        shared = self.mlp.shared_experts
         return Routed(
             hidden_TD=hidden_TD,
             residual_TD=residual_TD,
             batch_shape=(batch, seq_len),
             topk_ids_TK=decision.topk_ids_TK,
             topk_weights_TK=decision.topk_weights_TK,
+            shared_out_TD=None if shared is None else shared(hidden_TD),
             router_stats=decision.stats,
         )
 
@@ -103,16 +103,17 @@ class DecoderLayer(nn.Module):
             out_TD = out_TD + routed.shared_out_TD
         return out_TD.view(*routed.batch_shape, -1)
 
-    def forward(self, x_BSD: Tensor) -> LayerOutput:
+    def forward(self, x_BSD: Tensor, position_ids: Tensor | None = None) -> LayerOutput:
         """attend → dispatch → experts → combine → aggregate (dense: attend → experts → aggregate).
 
         Args:
             x_BSD: Layer input [B, S, D].
+            position_ids: Token positions [S] or [B, S]; None for ``arange(S)``.
 
         Returns:
             The :class:`LayerOutput` (hidden states and, for MoE layers, router statistics).
         """
-        routed = self.attend(x_BSD)
+        routed = self.attend(x_BSD, position_ids)
         if routed.topk_ids_TK is None:
             expert_out_TD = self.experts(routed.hidden_TD, None)
         else:

@@ -1,21 +1,43 @@
-"""Grouped SwiGLU experts with stacked weights, and the MoE block that holds them.
+"""Grouped experts with stacked weights, and the MoE block that holds router and experts.
 
 Legend: R routed rows, D model dim, F expert hidden dim, E experts (on this module).
+
+An experts module (a :class:`GroupedExperts`) holds one ``mt_ops.GroupedLinear`` per
+projection and a ``first_expert_id`` (the global id of its expert 0; expert parallelism
+gives each rank a slice). Canonical names split each GroupedLinear per global expert id:
+``<experts>.<proj>.weight`` [E, O, I] → ``<experts>.{e}.<proj>.weight`` [O, I] (and
+``.bias`` [E, O] → ``.bias`` [O]); see ``CausalLM.to_canonical``.
 """
 
 from torch import Tensor, nn
 
 from mt_models.layers.router import TopKRouter
-from mt_ops import GroupedLinear, swiglu
-
-EXPERT_WEIGHT_NAMES = ("gate_proj", "up_proj", "down_proj")
+from mt_ops import GroupedLinear, clamped_swiglu_fused, swiglu
 
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts; each projection is an mt_ops.GroupedLinear ([E, out, in] weights).
+    """Base of every experts module: E experts whose projections are ``GroupedLinear``
+    children (every parameter has the experts in dim 0), and ``first_expert_id``.
 
-    ``first_expert_id`` is the global id of expert 0 of this module (0 unless expert
-    parallelism gave it a slice); canonical names use global ids.
+    Expert parallelism finds experts modules by this class, slices dim 0 of their
+    parameters and advances ``first_expert_id``.
+
+    Args:
+        num_experts: E, experts held by this module.
+    """
+
+    def __init__(self, num_experts: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.first_expert_id = 0
+
+    def forward(self, tokens_RD: Tensor, tokens_per_expert_E: Tensor) -> Tensor:
+        """Runs every expert over its consecutive rows (``[R, D]`` → ``[R, D]``)."""
+        raise NotImplementedError
+
+
+class SwiGLUExperts(GroupedExperts):
+    """E SwiGLU experts: ``down(silu(gate(x)) · up(x))`` (Qwen3-MoE, DeepSeek-V2).
 
     Args:
         num_experts: E, experts held by this module.
@@ -24,9 +46,7 @@ class GroupedExperts(nn.Module):
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
-        super().__init__()
-        self.num_experts = num_experts
-        self.first_expert_id = 0
+        super().__init__(num_experts)
         self.gate_proj = GroupedLinear(num_experts, hidden_size, intermediate_size)
         self.up_proj = GroupedLinear(num_experts, hidden_size, intermediate_size)
         self.down_proj = GroupedLinear(num_experts, intermediate_size, hidden_size)
@@ -46,28 +66,75 @@ class GroupedExperts(nn.Module):
         return self.down_proj(swiglu(gate_RF, up_RF), tokens_per_expert_E)  # [R, D]
 
 
-class MoEBlock(nn.Module):
-    """Holds the router (``gate``) and the ``experts``, named as Hugging Face's MoE block.
+class ClampedSwiGLUExperts(GroupedExperts):
+    """E GPT-OSS experts: fused interleaved ``gate_up_proj`` and ``down_proj``, both with
+    biases, and the clamped SwiGLU ``(clamp(up) + 1) · g · sigmoid(alpha · g)``.
 
-    The decoder layer drives the phases; this module only groups the parameters so that
-    their names are ``mlp.gate.weight`` and ``mlp.experts.*``.
+    ``gate_up_proj.weight`` [E, 2F, D] keeps the Hub's interleaving (gate rows at even,
+    up rows at odd indices); the Hub stores it transposed ([E, D, 2F]). The activation is
+    ``mt_ops.clamped_swiglu_fused`` (a Triton kernel on CUDA, the eager op elsewhere).
 
     Args:
+        num_experts: E, experts held by this module.
         hidden_size: D.
-        num_experts: E.
-        topk: K.
         intermediate_size: F.
-        norm_topk_prob: Renormalize the top-k weights.
+        alpha: ``swiglu_alpha``.
+        limit: ``swiglu_limit``.
+    """
+
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, alpha: float, limit: float
+    ):
+        super().__init__(num_experts)
+        self.alpha, self.limit = alpha, limit
+        self.gate_up_proj = GroupedLinear(
+            num_experts, hidden_size, 2 * intermediate_size, bias=True
+        )
+        self.down_proj = GroupedLinear(num_experts, intermediate_size, hidden_size, bias=True)
+
+    def forward(self, tokens_RD: Tensor, tokens_per_expert_E: Tensor) -> Tensor:
+        """Runs every expert over its consecutive rows.
+
+        Args:
+            tokens_RD: Rows grouped by expert, in expert order [R, D].
+            tokens_per_expert_E: Rows per expert [E], summing to R.
+
+        Returns:
+            Expert outputs [R, D].
+        """
+        gate_up_R2F = self.gate_up_proj(tokens_RD, tokens_per_expert_E)  # [R, 2F]
+        act_RF = clamped_swiglu_fused(gate_up_R2F, self.alpha, self.limit)  # [R, F]
+        return self.down_proj(act_RF, tokens_per_expert_E)  # [R, D]
+
+
+class MoEBlock(nn.Module):
+    """Groups the router, the experts and optional shared experts under the Hub's names.
+
+    The decoder layer drives the phases; this module only names the parameters:
+    ``mlp.<router_name>.*`` (``gate`` for Qwen3/DeepSeek, ``router`` for GPT-OSS),
+    ``mlp.experts.*`` and ``mlp.shared_experts.*``.
+
+    Args:
+        router: The :class:`TopKRouter`.
+        experts: A :class:`GroupedExperts`.
+        shared_experts: A dense MLP every token goes through, or None.
+        router_name: Attribute (and Hub key) name of the router.
     """
 
     def __init__(
         self,
-        hidden_size: int,
-        num_experts: int,
-        topk: int,
-        intermediate_size: int,
-        norm_topk_prob: bool,
+        router: TopKRouter,
+        experts: nn.Module,
+        shared_experts: nn.Module | None = None,
+        router_name: str = "gate",
     ):
         super().__init__()
-        self.gate = TopKRouter(hidden_size, num_experts, topk, norm_topk_prob)
-        self.experts = GroupedExperts(num_experts, hidden_size, intermediate_size)
+        self.router_name = router_name
+        setattr(self, router_name, router)
+        self.experts = experts
+        self.shared_experts = shared_experts
+
+    @property
+    def topk_router(self) -> TopKRouter:
+        """The router module, whatever its attribute name."""
+        return getattr(self, self.router_name)

@@ -1,4 +1,5 @@
-"""Dense SwiGLU MLP (the MLP of dense layers, e.g. Qwen3-MoE's ``mlp_only_layers``)."""
+"""Dense SwiGLU MLP: dense layers (Qwen3-MoE's ``mlp_only_layers``, DeepSeek's first-k-dense)
+and shared experts."""
 
 from torch import Tensor, nn
 
@@ -12,13 +13,14 @@ class SwiGLUMLP(nn.Module):
     Args:
         hidden_size: Model dim D.
         intermediate_size: Hidden dim of the MLP.
+        bias: Biases on the three projections (DeepSeek's ``mlp_bias``).
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
         super().__init__()
-        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
         """Applies the MLP to ``x`` [..., D]."""

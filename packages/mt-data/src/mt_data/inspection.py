@@ -1,0 +1,73 @@
+"""`mt-data inspect`: what a corpus holds, and a decoded sample to eyeball."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from mt_data.corpus import resolve_shards
+from mt_data.indexed import IndexedDataset
+from mt_data.manifest import read_manifest
+from mt_data.tokenizer import load_tokenizer
+
+__all__ = ["inspect_corpus"]
+
+
+def inspect_corpus(
+    path: str | os.PathLike[str],
+    *,
+    tokenizer: str | os.PathLike[str] | None = None,
+    documents: int = 1,
+    characters: int = 300,
+) -> str:
+    """A report of a corpus: per shard documents, tokens and dtype; totals; decoded text.
+
+    Args:
+        path: A corpus directory or one shard prefix (Megatron-LM corpora work too).
+        tokenizer: Tokenizer to decode with; None uses the one named in manifest.json
+            (no decoding when there is neither).
+        documents: Documents to decode, from the first shard.
+        characters: Characters of each decoded document to show.
+
+    Returns:
+        The report, several lines.
+
+    Raises:
+        ValueError: If `path` holds no shards or a shard is unreadable.
+    """
+    prefixes = resolve_shards([path])
+    shards = [IndexedDataset(p) for p in prefixes]
+    lines = [f"{'shard':<32} {'documents':>12} {'tokens':>15}  dtype"]
+    for prefix, shard in zip(prefixes, shards, strict=True):
+        num_docs = len(shard.document_indices) - 1
+        lines.append(f"{prefix.name:<32} {num_docs:>12,} {shard.num_tokens:>15,}  {shard.dtype}")
+    total_docs = sum(len(s.document_indices) - 1 for s in shards)
+    total_tokens = sum(s.num_tokens for s in shards)
+    lines.append(
+        f"{'total (' + str(len(shards)) + ' shards)':<32} {total_docs:>12,} {total_tokens:>15,}"
+    )
+    manifest = read_manifest(prefixes[0].parent) or {}
+    if manifest:
+        lines.append(
+            f"manifest: tokenizer {manifest.get('tokenizer')}, vocab_size "
+            f"{manifest.get('vocab_size')}, eos {manifest.get('eos_token')!r} "
+            f"(id {manifest.get('eos_id')}), bad lines {manifest.get('num_bad_lines')}, "
+            f"empty documents {manifest.get('num_empty_documents')}"
+        )
+    source = tokenizer or manifest.get("tokenizer")
+    if source is None or not Path(source).exists():
+        lines.append("(no tokenizer to decode with: pass --tokenizer)")
+        return "\n".join(lines)
+    loaded = load_tokenizer(source)
+    shown = 0
+    for shard in shards:
+        for i in range(len(shard)):
+            if shown >= documents:
+                break
+            ids = shard[i].tolist()
+            text = loaded.tokenizer.decode(ids, skip_special_tokens=False)
+            more = "..." if len(text) > characters else ""
+            lines.append(f"--- {shard.idx_path.stem} sequence {i}: {len(ids)} tokens ---")
+            lines.append(text[:characters] + more)
+            shown += 1
+    return "\n".join(lines)

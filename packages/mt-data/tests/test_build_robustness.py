@@ -1,0 +1,261 @@
+"""The builder under stress: worker counts, kills, broken inputs, Parquet, special tokens."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zstandard
+
+import mt_data.sources as sources
+from mt_data import IndexedDataset, build_corpus
+from mt_data.build import CorpusError
+from mt_data.cli import main
+from mt_data.default_corpus import default_tokenizer_path, iter_default_documents
+
+
+def _documents(num_bytes: int) -> list[str]:
+    """Real, varied text: standard library sources, cut into pieces of a few KB."""
+    texts: list[str] = []
+    size = 0
+    for source in iter_default_documents():
+        for start in range(0, len(source), 3000):
+            texts.append(source[start : start + 3000])
+            size += len(texts[-1])
+            if size >= num_bytes:
+                return texts
+    return texts
+
+
+def _write_jsonl(path: Path, texts: list[str]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+    return path
+
+
+def _tree(directory: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(directory)): p.read_bytes()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+
+
+def _expected(tokenizer, texts: list[str]) -> list[list[int]]:
+    return [
+        [*tokenizer.tokenizer.encode(t, add_special_tokens=False).ids, tokenizer.eos_id]
+        for t in texts
+    ]
+
+
+def test_output_is_byte_identical_for_0_1_and_2_workers(tmp_path, tokenizer, monkeypatch):
+    # Small batches, so one file is split among the workers and batches straddle files.
+    monkeypatch.setattr(sources, "BATCH_BYTES", 8192)
+    big = _documents(120_000)
+    inputs = [
+        _write_jsonl(tmp_path / "in" / "big.jsonl", big),
+        _write_jsonl(tmp_path / "in" / "small.jsonl", ["x = 1", "", "y = 2"]),
+        _write_jsonl(tmp_path / "in" / "empty.jsonl", []),
+    ]
+    trees = []
+    for workers in (0, 1, 2):
+        out = tmp_path / f"out-{workers}"
+        build_corpus(inputs, default_tokenizer_path(), out, workers=workers, progress=False)
+        trees.append(_tree(out))
+    assert trees[0] == trees[1] == trees[2]
+    assert {"big.bin", "big.idx", "small.idx", "empty.idx", "manifest.json"} <= set(trees[0])
+    shard = IndexedDataset(tmp_path / "out-2" / "big")
+    assert [shard[i].tolist() for i in range(len(shard))] == _expected(tokenizer, big)
+    assert len(IndexedDataset(tmp_path / "out-2" / "empty")) == 0
+
+
+def _cli_build(inputs: list[Path], out: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "mt_data", "build", *map(str, inputs),
+        "--tokenizer", str(default_tokenizer_path()), "--output", str(out), *extra,
+    ]  # fmt: skip
+
+
+def test_a_build_killed_at_random_points_resumes_to_byte_identical_output(tmp_path):
+    texts = _documents(900_000)
+    inputs = [_write_jsonl(tmp_path / "in" / f"part{i}.jsonl", texts[i::6]) for i in range(6)]
+    reference = tmp_path / "reference"
+    build_corpus(inputs, default_tokenizer_path(), reference, workers=0, progress=False)
+    expected = _tree(reference)
+
+    out = tmp_path / "out"
+    rng = random.Random(0)
+    kills = 0
+    for _ in range(6):  # kill, restart, kill, ... until a run gets to finish
+        process = subprocess.Popen(
+            _cli_build(inputs, out, "--workers", "1", "--no-progress"),
+            start_new_session=True,  # its own process group: the worker dies with it
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        time.sleep(rng.uniform(0.5, 1.5))
+        if process.poll() is not None:
+            break
+        os.killpg(process.pid, signal.SIGKILL)  # like a power cut: no clean-up at all
+        process.wait()
+        kills += 1
+        # Whatever is under a final name is complete and right.
+        for idx in out.glob("*.idx"):
+            assert idx.read_bytes() == expected[idx.name]
+            assert idx.with_suffix(".bin").read_bytes() == expected[idx.with_suffix(".bin").name]
+    assert kills >= 2
+    result = subprocess.run(_cli_build(inputs, out, "--workers", "2", "--no-progress"),
+                            capture_output=True, text=True)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert _tree(out) == expected
+
+
+def _zstd(texts: list[str], checksum: bool = False) -> bytes:
+    data = "".join(json.dumps({"text": t}) + "\n" for t in texts).encode()
+    return zstandard.ZstdCompressor(write_checksum=checksum).compress(data)
+
+
+def test_a_truncated_zstd_file_keeps_the_complete_lines_and_reports_where_it_stopped(
+    tmp_path, tokenizer
+):
+    texts = _documents(400_000)  # several 128 KiB zstd blocks
+    data = _zstd(texts)
+    path = tmp_path / "cut.jsonl.zst"
+    path.write_bytes(data[: len(data) * 2 // 3])
+    summary = build_corpus([path], default_tokenizer_path(), tmp_path / "out", workers=0,
+                           progress=False)  # fmt: skip
+    (bad,) = summary.bad_lines
+    assert bad.kind == "corrupt_input" and "truncated zstandard data" in bad.reason
+    assert str(bad).startswith(f"{path}:{bad.line}: ")
+    shard = IndexedDataset(tmp_path / "out" / "cut")
+    assert 0 < len(shard) == bad.line - 1 < len(texts)
+    kept = [shard[i].tolist() for i in range(len(shard))]
+    assert kept == _expected(tokenizer, texts[: len(shard)])
+
+
+def test_corrupt_zstd_data_is_reported_not_raised(tmp_path):
+    data = bytearray(_zstd(_documents(400_000), checksum=True))
+    middle = len(data) // 2
+    data[middle : middle + 64] = bytes(64)
+    path = tmp_path / "bad.jsonl.zst"
+    path.write_bytes(bytes(data))
+    summary = build_corpus([path], default_tokenizer_path(), tmp_path / "out", workers=0,
+                           progress=False)  # fmt: skip
+    assert summary.bad_lines_by_kind == {"corrupt_input": 1}
+    assert "corrupt zstandard data" in summary.bad_lines[0].reason
+
+
+def test_cli_fail_mode_on_a_truncated_zstd_exits_nonzero_without_traceback_or_shard(tmp_path):
+    data = _zstd(_documents(30_000))
+    path = tmp_path / "cut.jsonl.zst"
+    path.write_bytes(data[: len(data) // 2])
+    out = tmp_path / "out"
+    result = subprocess.run(
+        _cli_build([path], out, "--on-error", "fail", "--workers", "1", "--no-progress"),
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2
+    assert f"{path}:" in result.stderr and "truncated zstandard data" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not list(out.glob("*.idx")) and not list(out.glob("*.bin*"))
+    assert not (out / "manifest.json").exists()
+
+
+def test_fail_mode_stops_at_a_bad_line_in_a_later_batch_of_a_worker(tmp_path, monkeypatch):
+    monkeypatch.setattr(sources, "BATCH_BYTES", 4096)
+    texts = _documents(40_000)
+    lines = [json.dumps({"text": t}) for t in texts]
+    lines[len(lines) - 3] = '{"text": 7}'
+    path = tmp_path / "late.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(CorpusError, match=rf"{path}:{len(lines) - 2}: field 'text' is int"):
+        build_corpus([path], default_tokenizer_path(), tmp_path / "out", workers=2,
+                     on_error="fail", progress=False)  # fmt: skip
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == []
+
+
+def test_special_token_text_inside_a_document_is_encoded_as_plain_text(tmp_path, tokenizer):
+    text = "before <|endoftext|> after"
+    path = _write_jsonl(tmp_path / "s.jsonl", [text])
+    build_corpus([path], default_tokenizer_path(), tmp_path / "out", workers=0, progress=False)
+    ids = IndexedDataset(tmp_path / "out" / "s")[0].tolist()
+    assert ids.count(tokenizer.eos_id) == 1 and ids[-1] == tokenizer.eos_id
+    assert tokenizer.tokenizer.decode(ids[:-1], skip_special_tokens=False) == text
+
+
+def test_bos_is_prepended_when_asked_and_must_exist(tmp_path, tokenizer):
+    path = _write_jsonl(tmp_path / "s.jsonl", ["x = 1"])
+    build_corpus([path], default_tokenizer_path(), tmp_path / "out", workers=0,
+                 bos="<|endoftext|>", progress=False)  # fmt: skip
+    ids = IndexedDataset(tmp_path / "out" / "s")[0].tolist()
+    assert ids == [tokenizer.eos_id, *_expected(tokenizer, ["x = 1"])[0]]
+    with pytest.raises(ValueError, match="names no 'bos_token'"):
+        build_corpus([path], default_tokenizer_path(), tmp_path / "o2", bos=True, progress=False)
+
+
+def test_parquet_inputs_give_the_same_shard_as_jsonl_and_count_null_texts(tmp_path, tokenizer):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    texts = _documents(20_000)
+    pq.write_table(pa.table({"text": [*texts[:3], None, *texts[3:]]}), tmp_path / "p.parquet")
+    _write_jsonl(tmp_path / "j" / "p.jsonl", texts)
+    summary = build_corpus([tmp_path / "p.parquet"], default_tokenizer_path(), tmp_path / "a",
+                           workers=1, progress=False)  # fmt: skip
+    build_corpus([tmp_path / "j"], default_tokenizer_path(), tmp_path / "b", workers=0,
+                 progress=False)  # fmt: skip
+    assert (tmp_path / "a" / "p.bin").read_bytes() == (tmp_path / "b" / "p.bin").read_bytes()
+    assert [str(b) for b in summary.bad_lines] == [
+        f"{tmp_path / 'p.parquet'}:4: field 'text' is null"
+    ]
+
+
+def test_cli_inspect_prints_shards_counts_dtype_and_decoded_text(tmp_path, capsys):
+    path = _write_jsonl(tmp_path / "i.jsonl", ["def hello():\n    return 'world'\n", "x"])
+    build_corpus([path], default_tokenizer_path(), tmp_path / "out", workers=0, progress=False)
+    assert main(["inspect", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    shard = IndexedDataset(tmp_path / "out" / "i")
+    assert f"i {2:>43} {shard.num_tokens:>15}  uint16".split() == out.splitlines()[1].split()
+    assert "def hello():\n    return 'world'\n<|endoftext|>" in out
+    assert main(["inspect", str(tmp_path / "nothing")]) == 2
+
+
+def test_written_shards_are_memory_bounded_by_the_batch_not_the_file(tmp_path):
+    # The writer keeps no per-document list in memory: lengths go straight to the index.
+    from mt_data.indexed import IndexedDatasetWriter
+
+    with IndexedDatasetWriter(tmp_path / "s", np.uint16) as writer:
+        for _ in range(3):
+            writer.add_documents(np.arange(10, dtype=np.int64), np.array([4, 0, 6]))
+        assert not any(isinstance(v, list) for v in vars(writer).values())
+    shard = IndexedDataset(tmp_path / "s")
+    assert shard.sequence_lengths.tolist() == [4, 0, 6] * 3
+    assert shard.sequence_pointers.tolist() == [0, 8, 8, 20, 28, 28, 40, 48, 48]
+
+
+def test_a_utf8_byte_order_mark_at_the_start_of_a_file_is_not_a_bad_line(tmp_path, tokenizer):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"text": "x = 1"}\n{"text": "y"}\n')
+    summary = build_corpus([path], default_tokenizer_path(), tmp_path / "out", workers=0,
+                           progress=False)  # fmt: skip
+    assert (summary.num_documents, summary.num_bad_lines) == (2, 0)
+    assert (
+        IndexedDataset(tmp_path / "out" / "bom")[0].tolist() == _expected(tokenizer, ["x = 1"])[0]
+    )
+
+
+def test_cli_progress_shows_throughput_in_bytes_documents_and_tokens(tmp_path, capsys):
+    path = _write_jsonl(tmp_path / "p.jsonl", _documents(20_000))
+    argv = ["build", str(path), "--tokenizer", str(default_tokenizer_path())]
+    assert main([*argv, "--output", str(tmp_path / "out"), "--workers", "0"]) == 0
+    err = capsys.readouterr().err
+    assert "B/s" in err and "docs/s" in err and "tok/s" in err and "100%" in err

@@ -1,0 +1,52 @@
+"""Validation shared by the family configs (typed dataclasses with Hub field names).
+
+Besides the Hub's fields, every family config carries the training-only router-loss
+switches (not written to a Hub ``config.json``): ``router_aux_loss_coef`` (a Hub field of
+Qwen3-MoE and GPT-OSS), ``aux_loss_type`` and ``router_z_loss_coef``.
+"""
+
+from typing import Any
+
+AUX_LOSS_TYPES = ("global", "sequence")
+
+# Our fields that are not Hub config.json keys; save_hf leaves them out.
+TRAINING_ONLY_FIELDS = ("aux_loss_type", "router_z_loss_coef")
+
+
+def check_positive(config: Any, names: list[str]) -> None:
+    """Raises ValueError naming the first field in ``names`` that is below 1."""
+    for name in names:
+        value = getattr(config, name)
+        if value < 1:
+            raise ValueError(f"{name} ({value}) must be >= 1")
+
+
+def check_router_losses(config: Any) -> None:
+    """Validates ``router_aux_loss_coef``, ``aux_loss_type`` and ``router_z_loss_coef``."""
+    if config.aux_loss_type not in AUX_LOSS_TYPES:
+        raise ValueError(
+            f"aux_loss_type ({config.aux_loss_type!r}) must be one of {AUX_LOSS_TYPES}: "
+            "'global' balances the whole batch, 'sequence' each sequence"
+        )
+    if config.router_aux_loss_coef < 0 or config.router_z_loss_coef < 0:
+        raise ValueError(
+            f"router_aux_loss_coef ({config.router_aux_loss_coef}) and router_z_loss_coef "
+            f"({config.router_z_loss_coef}) must be >= 0 (0 switches the loss off)"
+        )
+
+
+def check_rope(config: Any) -> None:
+    """Validates ``rope_theta``, ``rms_norm_eps`` and the ``rope_scaling`` type; spells the
+    type key ``rope_type`` (older Hub files say ``type``)."""
+    from mt_models.layers.rope import rope_type_of
+
+    if config.rope_scaling and "type" in config.rope_scaling:
+        scaling = dict(config.rope_scaling)
+        scaling.setdefault("rope_type", scaling.pop("type"))
+        scaling.pop("type", None)
+        config.rope_scaling = scaling
+    if config.rope_theta <= 0 or config.rms_norm_eps <= 0:
+        raise ValueError(
+            f"rope_theta ({config.rope_theta}) and rms_norm_eps ({config.rms_norm_eps}) must be > 0"
+        )
+    rope_type_of(config.rope_scaling)

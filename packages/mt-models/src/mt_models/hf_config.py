@@ -1,0 +1,145 @@
+"""Hub ``config.json`` ↔ family config dataclasses.
+
+Reads both RoPE spellings: the current ``rope_parameters`` dict (with ``rope_theta`` and
+``rope_type`` inside) and the older top-level ``rope_theta`` plus ``rope_scaling`` (whose
+type key may be ``type`` or ``rope_type``). Writes both (they agree). Keys the family does
+not use (``bos_token_id``, ``use_cache``, ...) are dropped on import; a few Hub aliases are
+mapped (Qwen3's ``num_local_experts`` as written by transformers 5; DeepSeek's
+``aux_loss_alpha`` and ``seq_aux``).
+"""
+
+import dataclasses
+from typing import Any
+
+from mt_models.configs import TRAINING_ONLY_FIELDS
+from mt_models.registry import MODEL_FAMILIES
+
+# transformers' RoPE base when a config.json names none.
+DEFAULT_ROPE_THETA = {"qwen3_moe": 10000.0, "deepseek_v2": 10000.0, "gpt_oss": 150000.0}
+
+# Family name → the transformers architecture class that loads it.
+ARCHITECTURES = {
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+}
+
+
+def family_of_hf_config(data: dict[str, Any]) -> str:
+    """The family name of a Hub config dict (its ``model_type``).
+
+    Args:
+        data: The parsed ``config.json``.
+
+    Returns:
+        A key of ``MODEL_FAMILIES``.
+    """
+    model_type = data.get("model_type")
+    if model_type not in MODEL_FAMILIES:
+        raise ValueError(
+            f"config.json model_type ({model_type!r}) is not a supported family; "
+            f"supported: {sorted(MODEL_FAMILIES)}"
+        )
+    return model_type
+
+
+def _split_rope(data: dict[str, Any]) -> tuple[float | None, dict | None, bool]:
+    """``(rope_theta, rope_scaling, found)`` from either spelling."""
+    params = data.get("rope_parameters")
+    if isinstance(params, dict) and params:
+        if any(isinstance(v, dict) for v in params.values()):
+            raise ValueError(
+                "config.json rope_parameters is nested per layer type; one RoPE for all "
+                "layers is supported"
+            )
+        theta = params.get("rope_theta", data.get("rope_theta"))
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        return theta, scaling, True
+    scaling = data.get("rope_scaling")
+    return data.get("rope_theta"), dict(scaling) if scaling else None, "rope_scaling" in data
+
+
+def _clean_scaling(scaling: dict | None) -> dict | None:
+    """None for plain RoPE; drops keys that do not change it (partial factor 1)."""
+    if not scaling:
+        return None
+    scaling = dict(scaling)
+    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(
+            f"partial_rotary_factor ({scaling['partial_rotary_factor']}) is not supported"
+        )
+    scaling.pop("partial_rotary_factor", None)
+    if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        return None
+    return scaling
+
+
+def config_from_hf(data: dict[str, Any]) -> Any:
+    """Builds the family config of a Hub ``config.json`` dict.
+
+    Args:
+        data: The parsed ``config.json``.
+
+    Returns:
+        A family config dataclass instance (validated).
+    """
+    family = family_of_hf_config(data)
+    config_cls = MODEL_FAMILIES[family][0]
+    data = dict(data)
+    theta, scaling, found = _split_rope(data)
+    data["rope_theta"] = DEFAULT_ROPE_THETA[family] if theta is None else theta
+    if found:
+        data["rope_scaling"] = _clean_scaling(scaling)
+    if family == "qwen3_moe":
+        if "num_experts" not in data and "num_local_experts" in data:
+            data["num_experts"] = data["num_local_experts"]
+        if data.get("head_dim") is None:
+            data["head_dim"] = data["hidden_size"] // data["num_attention_heads"]
+    if family == "deepseek_v2":
+        if "aux_loss_alpha" in data and "router_aux_loss_coef" not in data:
+            data["router_aux_loss_coef"] = data["aux_loss_alpha"]
+        if "seq_aux" in data and "aux_loss_type" not in data:
+            data["aux_loss_type"] = "sequence" if data["seq_aux"] else "global"
+        if data.get("n_shared_experts") is None:
+            data["n_shared_experts"] = 0
+    if family == "gpt_oss" and data.get("head_dim") is None:
+        data["head_dim"] = data["hidden_size"] // data["num_attention_heads"]
+    fields = {f.name: f for f in dataclasses.fields(config_cls)}
+    values = {k: v for k, v in data.items() if k in fields}
+    for key, value in list(values.items()):
+        default = fields[key].default
+        if value is None and default is not None and default is not dataclasses.MISSING:
+            del values[key]  # null in the file: the family default (transformers does the same)
+    return config_cls(**values)
+
+
+def config_to_hf(config: Any, dtype: str) -> dict[str, Any]:
+    """The Hub ``config.json`` dict of a family config: RoPE in the current
+    ``rope_parameters`` form and, for older readers, as ``rope_theta`` + ``rope_scaling``.
+
+    Args:
+        config: A family config.
+        dtype: The weights' dtype name (``"bfloat16"``), recorded as ``dtype``.
+
+    Returns:
+        A JSON-ready dict that ``transformers.AutoConfig`` reads.
+    """
+    family = next(name for name, (cls, _) in MODEL_FAMILIES.items() if type(config) is cls)
+    data = dataclasses.asdict(config)
+    for key in TRAINING_ONLY_FIELDS:
+        data.pop(key, None)
+    scaling = dict(data.pop("rope_scaling") or {})
+    rope_type = scaling.pop("type", None) or scaling.pop("rope_type", "default")
+    data["rope_parameters"] = {"rope_type": rope_type, "rope_theta": data["rope_theta"]}
+    data["rope_parameters"].update(scaling)
+    # The older spelling too, for readers that predate rope_parameters (transformers < 5).
+    data["rope_scaling"] = None if rope_type == "default" else {"rope_type": rope_type, **scaling}
+    for key, value in data.items():
+        if isinstance(value, tuple):
+            data[key] = list(value)
+    if family == "deepseek_v2":
+        data["aux_loss_alpha"] = data.pop("router_aux_loss_coef")
+        data["seq_aux"] = config.aux_loss_type == "sequence"
+        data["num_key_value_heads"] = config.num_attention_heads
+    data.update(model_type=family, architectures=[ARCHITECTURES[family]], dtype=dtype)
+    return data

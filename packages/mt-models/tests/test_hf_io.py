@@ -1,0 +1,178 @@
+"""Hub config forms, MXFP4 dequantization, dtypes and errors of load_hf / save_hf."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from mt_models import MODEL_FAMILIES, load_hf, save_hf
+from mt_models.deepseek_v2 import deepseek_v2, deepseek_v2_lite
+from mt_models.gpt_oss import gpt_oss_20b, gpt_oss_120b
+from mt_models.hf_config import config_from_hf, config_to_hf
+from mt_models.mxfp4 import dequantize_mxfp4
+from mt_models.qwen3_moe import qwen3_30b_a3b
+
+pytest.importorskip("transformers")
+
+TINY = {
+    "deepseek_v2": dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=8,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        max_position_embeddings=64,
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "rope_theta": 10000.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.8,
+            "original_max_position_embeddings": 16,
+        },
+    ),
+    "gpt_oss": dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=4,
+        max_position_embeddings=256,
+    ),
+}
+
+
+def _ids(vocab=64):
+    return torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "gpt_oss"])
+@pytest.mark.parametrize("type_key", ["type", "rope_type"])
+def test_older_rope_scaling_config_form_loads_the_same_model(family, type_key, hf, tmp_path):
+    reference = hf.model(family, seed=0, **TINY[family])
+    reference.save_pretrained(tmp_path)
+    new_form = load_hf(tmp_path)
+    hf.to_old_rope_form(tmp_path, type_key)
+    data = json.loads((tmp_path / "config.json").read_text())
+    assert "rope_parameters" not in data and data["rope_scaling"][type_key] == "yarn"
+    old_form = load_hf(tmp_path)
+    assert old_form.config == new_form.config
+    with torch.no_grad():
+        assert torch.equal(old_form(_ids()), new_form(_ids()))
+        assert torch.allclose(old_form(_ids()), reference(_ids()).logits, rtol=0, atol=1e-4)
+
+
+def _fp4_value(code: int) -> float:
+    """Independent E2M1 decoding from the bits: sign, 2-bit exponent (bias 1), 1-bit mantissa."""
+    sign = -1.0 if code & 0b1000 else 1.0
+    exponent, mantissa = (code >> 1) & 0b11, code & 0b1
+    magnitude = mantissa * 0.5 if exponent == 0 else (1 + mantissa / 2) * 2.0 ** (exponent - 1)
+    return sign * magnitude
+
+
+def test_mxfp4_dequantization_matches_bitwise_decoding_and_transformers():
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 5, 2, 16), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(117, 137, (3, 5, 2), generator=gen, dtype=torch.uint8)
+    got = dequantize_mxfp4(blocks, scales, torch.float32)
+    assert got.shape == (3, 5, 64)
+    e, o, g, b = 1, 4, 1, 7
+    byte, scale = int(blocks[e, o, g, b]), int(scales[e, o, g]) - 127
+    assert got[e, o, g * 32 + 2 * b] == _fp4_value(byte & 0xF) * 2.0**scale
+    assert got[e, o, g * 32 + 2 * b + 1] == _fp4_value(byte >> 4) * 2.0**scale
+    mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
+    expected = mxfp4.convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, I, O]
+    assert torch.equal(got.transpose(1, 2), expected)
+
+
+def test_gpt_oss_mxfp4_expert_weights_are_dequantized_on_import(hf, tmp_path):
+    reference = hf.model("gpt_oss", seed=1, **TINY["gpt_oss"])
+    reference.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    gen = torch.Generator().manual_seed(1)
+    expected = {}
+    for key in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        num_experts, dim_in, dim_out = tensors.pop(key).shape  # Hub layout [E, I, O]
+        blocks = torch.randint(0, 256, (num_experts, dim_out, dim_in // 32, 16), generator=gen)
+        scales = torch.randint(120, 128, (num_experts, dim_out, dim_in // 32), generator=gen)
+        tensors[key + "_blocks"], tensors[key + "_scales"] = blocks.byte(), scales.byte()
+        expected[key] = dequantize_mxfp4(blocks.byte(), scales.byte(), torch.float32)  # [E, O, I]
+    save_file(tensors, tmp_path / "model.safetensors")
+    model = load_hf(tmp_path)
+    params = model.canonical_parameters()
+    for key, weight_EOI in expected.items():
+        for e in range(weight_EOI.shape[0]):
+            name = key.replace("experts.", f"experts.{e}.") + ".weight"
+            assert torch.equal(params[name], weight_EOI[e]), name
+
+
+def test_save_hf_keeps_bfloat16_and_transformers_loads_it_in_bfloat16(build_debug_model, tmp_path):
+    import transformers
+
+    model = build_debug_model(family="gpt_oss").to(torch.bfloat16)
+    save_hf(model, tmp_path)
+    assert not (tmp_path / "model.safetensors.index.json").exists()  # one shard
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}  # noqa: SIM118
+        assert "model.layers.0.mlp.experts.gate_up_proj" in set(f.keys())  # noqa: SIM118
+    assert dtypes == {"BF16"}
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype="auto")
+    assert loaded.dtype == torch.bfloat16
+    assert load_hf(tmp_path).output_weight.dtype == torch.bfloat16
+    assert load_hf(tmp_path, dtype=torch.float32).output_weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "preset", [qwen3_30b_a3b, deepseek_v2_lite, deepseek_v2, gpt_oss_20b, gpt_oss_120b]
+)
+def test_config_survives_hub_json_round_trip_and_plain_dict_rebuild(preset):
+    config = preset()
+    data = json.loads(json.dumps(config_to_hf(config, "bfloat16")))
+    assert data["rope_parameters"]["rope_theta"] == data["rope_theta"] == config.rope_theta
+    assert config_from_hf(data) == config
+    older = {k: v for k, v in data.items() if k != "rope_parameters"}
+    assert config_from_hf(older) == config
+    plain = json.loads(json.dumps(dataclasses.asdict(config)))
+    assert type(config)(**plain) == config
+
+
+def test_hub_aliases_are_read():
+    qwen = config_to_hf(qwen3_30b_a3b(), "bfloat16")
+    qwen["num_local_experts"] = qwen.pop("num_experts")  # as transformers 5 writes it
+    assert config_from_hf(qwen).num_experts == 128
+    lite = config_to_hf(deepseek_v2_lite(), "bfloat16")
+    lite.update(aux_loss_alpha=0.25, seq_aux=False)
+    config = config_from_hf(lite)
+    assert config.router_aux_loss_coef == 0.25 and config.aux_loss_type == "global"
+
+
+def test_load_hf_names_missing_weights_and_unknown_families(build_debug_model, tmp_path):
+    save_hf(build_debug_model(family="deepseek_v2"), tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.1.mlp.experts.3.up_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"missing \['model.layers.1.mlp.experts.3.up_proj"):
+        load_hf(tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**data, "model_type": "llama"}))
+    with pytest.raises(ValueError, match="not a supported family"):
+        load_hf(tmp_path)
+    assert set(MODEL_FAMILIES) == {"qwen3_moe", "deepseek_v2", "gpt_oss"}

@@ -1,0 +1,90 @@
+"""Launching Triton kernels on CUDA, or through Triton's interpreter on CPU tensors.
+
+Kernels are written once with ``@triton.jit``. On a CUDA tensor they compile as usual; on
+CPU tensors (tests on a machine without a GPU) :func:`launch` runs the same kernel body
+through ``triton.runtime.interpreter``, without the process-wide ``TRITON_INTERPRET``
+variable, so CPU tests can exercise kernel logic while the training path on CPU uses the
+references. The interpreter is faithful for integer and fp32 arithmetic, loads, stores and
+fp8 -> fp32 conversion; it mis-rounds casts *to* fp8/bf16, so tests check those on GPU.
+Calls from a kernel to other ``@triton.jit`` functions (``tl.max`` is one) are routed to
+the interpreter for the duration of the launch only, and the patch is undone afterwards.
+"""
+
+from functools import cache
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - triton ships with Linux torch wheels
+    triton, tl = None, None
+    HAS_TRITON = False
+try:  # the interpreter (CPU runs of kernels) also needs numpy, which torch does not require
+    from triton.runtime import interpreter
+    from triton.runtime.interpreter import InterpretedFunction
+except ImportError:  # pragma: no cover
+    interpreter, InterpretedFunction = None, None
+
+__all__ = ["HAS_TRITON", "cdiv", "launch", "triton", "tl", "use_kernels"]
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division for non-negative ints."""
+    return -(-a // b)
+
+
+@cache
+def _interpreted(fn):
+    return InterpretedFunction(fn)
+
+
+def _patch_tensor_index(original):
+    # Triton 3.6's interpreter turns a scalar into int() of a 1-element array, which
+    # NumPy >= 2.4 refuses ("only 0-dimensional arrays..."), breaking `range(n)` loops.
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    return patched
+
+
+def _run_interpreted(kernel, grid, args, kwargs) -> None:
+    jit_cls = type(kernel)
+    saved_call = jit_cls.__call__
+    saved_patch = interpreter._patch_lang_tensor
+    # Device-function calls inside the interpreted kernel go through JITFunction.__call__,
+    # which refuses outside a compiled kernel; route them to the interpreter meanwhile.
+    jit_cls.__call__ = lambda self, *a, **k: _interpreted(self.fn)(*a, **k)
+    interpreter._patch_lang_tensor = _patch_tensor_index(saved_patch)
+    try:
+        _interpreted(kernel.fn)[grid](*args, **kwargs)
+    finally:
+        jit_cls.__call__ = saved_call
+        interpreter._patch_lang_tensor = saved_patch
+
+
+def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
+    """Runs ``kernel[grid](*args, **kwargs)``, through the interpreter for CPU tensors.
+
+    Args:
+        kernel: A ``@triton.jit`` function.
+        grid: Launch grid; an empty grid (a zero in it) launches nothing.
+        *args: Kernel arguments (tensors on one device, ints, floats).
+        **kwargs: Keyword arguments (constexprs, ``num_warps``, ``num_stages``).
+    """
+    if any(g == 0 for g in grid):
+        return
+    on_cpu = any(isinstance(a, torch.Tensor) and not a.is_cuda for a in args)
+    if on_cpu:
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")}
+        _run_interpreted(kernel, grid, args, kwargs)
+    else:
+        kernel[grid](*args, **kwargs)
+
+
+def use_kernels(*tensors: torch.Tensor) -> bool:
+    """Whether the training path should launch Triton kernels for these tensors (CUDA)."""
+    return HAS_TRITON and all(t.is_cuda for t in tensors)

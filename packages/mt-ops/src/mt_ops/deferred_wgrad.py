@@ -1,0 +1,170 @@
+"""Deferred weight gradients: a queue, owned by the caller, of weight-gradient GEMMs.
+
+A zero-bubble pipeline schedule (DualPipeV) splits a layer's backward in two: the input
+gradient ("B") is needed right away by the previous stage, the weight gradient ("W") can
+run later to fill a bubble. Linear layers here take an optional :class:`WeightGradQueue`:
+when set, their backward computes only the input gradient and pushes a closure that later
+computes the weight gradient and adds it to ``param.grad``, exactly as autograd would have.
+
+No mode flag: the queue is an attribute of the modules (``wgrad_queue``), set by the caller
+through :func:`set_weight_grad_queue`, and drained by :meth:`WeightGradQueue.flush`.
+"""
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = [
+    "Linear",
+    "WeightGradQueue",
+    "accumulate_grad",
+    "make_weight_grads_deferrable",
+    "set_weight_grad_queue",
+]
+
+
+class WeightGradQueue:
+    """Pending weight-gradient computations, run in first-in first-out order by :meth:`flush`."""
+
+    def __init__(self) -> None:
+        self._pending: list[Callable[[], None]] = []
+
+    def push(self, compute: Callable[[], None]) -> None:
+        """Adds a closure that computes one weight gradient and accumulates it.
+
+        Args:
+            compute: Called once by :meth:`flush`, with no arguments.
+        """
+        self._pending.append(compute)
+
+    def flush(self) -> int:
+        """Runs every pending weight-gradient computation, oldest first.
+
+        Returns:
+            How many were run.
+        """
+        pending, self._pending = self._pending, []
+        for compute in pending:
+            compute()
+        return len(pending)
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+
+def accumulate_grad(param: Tensor, grad: Tensor) -> None:
+    """Adds ``grad`` to ``param.grad`` as autograd's accumulation does (creates it if None).
+
+    Args:
+        param: A leaf parameter.
+        grad: Its gradient contribution, same shape; cast to the parameter's dtype.
+    """
+    grad = grad.to(param.dtype)
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad.add_(grad)
+
+
+def set_weight_grad_queue(model: nn.Module, queue: WeightGradQueue | None) -> int:
+    """Sets (or, with None, clears) the weight-gradient queue of every module that has one.
+
+    Args:
+        model: Any module tree; modules with a ``wgrad_queue`` attribute are updated
+            (:class:`Linear`, ``GroupedLinear``, ``FP8Linear``, ``FP8GroupedLinear``).
+        queue: The queue, or None for immediate weight gradients.
+
+    Returns:
+        The number of modules updated.
+    """
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "wgrad_queue"):
+            module.wgrad_queue = queue
+            count += 1
+    return count
+
+
+class _DeferredLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, queue, param):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        ctx.queue = queue
+        ctx.weight_param = param  # the leaf parameter (weight may be its autocast copy)
+        return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_y @ weight if ctx.needs_input_grad[0] else None
+        grad_bias = grad_y.reshape(-1, grad_y.shape[-1]).sum(0) if ctx.has_bias else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            x_2d, g_2d = x.reshape(-1, x.shape[-1]), grad_y.reshape(-1, grad_y.shape[-1])
+            if ctx.queue is None:
+                grad_w = g_2d.T @ x_2d
+            else:
+                param = ctx.weight_param
+                ctx.queue.push(lambda: accumulate_grad(param, g_2d.T @ x_2d))
+        return grad_x, grad_w, grad_bias, None, None
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose weight gradient can be deferred into a :class:`WeightGradQueue`.
+
+    Same parameters, names and forward as ``nn.Linear``; with ``wgrad_queue`` None it *is*
+    ``F.linear``. Build one from an existing layer with :meth:`from_linear`.
+    """
+
+    wgrad_queue: WeightGradQueue | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``x @ weight.T + bias``; the weight gradient goes to ``wgrad_queue`` when set."""
+        if self.wgrad_queue is None or not torch.is_grad_enabled():
+            return F.linear(x, self.weight, self.bias)
+        weight = self.weight
+        if torch.is_autocast_enabled(x.device.type):  # a custom Function sees no autocast
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, weight = x.to(dtype), weight.to(dtype)
+        return _DeferredLinearFn.apply(x, weight, self.bias, self.wgrad_queue, self.weight)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Linear":
+        """Wraps the *same* parameters of ``linear`` (no copy), so names and optimizer state hold.
+
+        Args:
+            linear: The layer to take over.
+
+        Returns:
+            A :class:`Linear` sharing ``linear``'s weight and bias.
+        """
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight = linear.weight
+        new.bias = linear.bias
+        return new
+
+
+def make_weight_grads_deferrable(model: nn.Module) -> int:
+    """Swaps every ``nn.Linear`` (subclasses too) for :class:`Linear`, sharing its parameters.
+
+    ``GroupedLinear`` and the FP8 linears already take a queue; plain ``nn.Linear`` needs this
+    swap first. Names, parameter objects and results are unchanged.
+
+    Args:
+        model: Modified in place.
+
+    Returns:
+        The number of modules swapped.
+    """
+    count = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear) and not isinstance(child, Linear):
+                setattr(module, name, Linear.from_linear(child))
+                count += 1
+    return count

@@ -1,0 +1,457 @@
+"""Block-scaled FP8 GEMMs behind one interface: DeepGEMM, cuBLAS, our Triton kernels, emulation.
+
+Legend: M rows (tokens), N output features, K contraction dim, G groups (experts),
+T row tiles (see :class:`mt_ops.fp8_quant.RowTiles`).
+
+Three products cover a linear layer's training step (y = x Wᵀ):
+
+- fprop ``y = x Wᵀ`` and dgrad ``dx = dy W``: A is 1×128-quantized by rows, B is a
+  128×128-quantized weight ([N, K]; for dgrad the weight's quantized transpose);
+  :func:`fp8_grouped_gemm` runs G of them over consecutive row groups (experts).
+- wgrad ``dW = dyᵀ x``: both operands are tile-padded transposed 1×128 quantizations
+  (tiles of 128 tokens that restart at each expert), :func:`fp8_grouped_wgrad`.
+
+The semantics are defined by the *emulation*: dequantize exactly (scales are powers of two)
+and multiply in fp32. Kernels accumulate each 128-wide K block on the tensor cores and
+apply the two scales per block in fp32 (DeepSeek-V3's promotion every 128 elements). Hopper's
+FP8 tensor cores add inside a block with fewer mantissa bits than fp32, so fp32 outputs
+differ from the emulation by ~1.3e-4 L2-relative (measured on the H200; 4.6e-5 even when
+promoting after every instruction, at a fifth of the speed); bf16 outputs agree up to
+their own rounding.
+
+Backends, chosen once per device and logged once (``backend=`` on a call overrides, so does
+the environment variable ``MT_OPS_FP8_BACKEND``):
+
+- ``"deepgemm"``: when the ``deep_gemm`` package imports (built from source by the user);
+  used for dense GEMMs through ``deep_gemm.fp8_gemm_nt``; grouped products use Triton.
+- ``"torch"``: cuBLAS blockwise-scaled ``torch._scaled_mm`` for dense fprop/dgrad when a
+  one-time probe finds a scale layout it accepts and computes right (PyTorch 2.11 + CUDA 13
+  on the H200 refused both layouts tried, "Invalid scaling configuration", so dense
+  products fall through to Triton there); our Triton kernels for grouped products and
+  wgrad (PyTorch's grouped FP8 path is rowwise only).
+- ``"triton"``: our Triton kernels for everything.
+- ``"emulation"``: dequantize + fp32 matmul (the CPU default).
+"""
+
+import logging
+import os
+from functools import cache
+
+import torch
+from torch import Tensor
+
+from mt_ops._triton import cdiv, launch, tl, triton
+from mt_ops.fp8_quant import (
+    BLOCK,
+    Fp8Quantized,
+    RowTiles,
+    dequantize_1x128,
+    dequantize_128x128,
+    dequantize_tiles_transposed,
+    scale_to_float,
+)
+
+__all__ = [
+    "BACKENDS",
+    "fp8_backend",
+    "fp8_grouped_gemm",
+    "fp8_grouped_gemm_reference",
+    "fp8_grouped_wgrad",
+    "fp8_grouped_wgrad_reference",
+]
+
+BACKENDS = ("deepgemm", "torch", "triton", "emulation")
+_log = logging.getLogger("mt_ops.fp8")
+
+
+@cache
+def _deep_gemm():
+    try:
+        import deep_gemm  # noqa: PLC0415 - optional extra, built from source
+
+        return deep_gemm
+    except ImportError:
+        return None
+
+
+@cache
+def _log_choice(device_type: str, backend: str, reason: str) -> None:
+    _log.info("mt_ops FP8 GEMM backend on %s: %s (%s)", device_type, backend, reason)
+
+
+def fp8_backend(device: torch.device, backend: str | None = None) -> str:
+    """The FP8 GEMM backend for ``device``: ``backend`` if given, else the best available.
+
+    Args:
+        device: Device of the operands.
+        backend: An explicit choice from :data:`BACKENDS`, or None for automatic selection
+            (``MT_OPS_FP8_BACKEND`` if set, else DeepGEMM → torch → emulation).
+
+    Returns:
+        The backend name; the automatic choice is logged once per device type.
+    """
+    requested = backend or os.environ.get("MT_OPS_FP8_BACKEND") or None
+    if requested is not None:
+        if requested not in BACKENDS:
+            raise ValueError(f"FP8 backend ({requested!r}) must be one of {BACKENDS}")
+        if requested != "emulation" and device.type != "cuda":
+            raise ValueError(
+                f"FP8 backend {requested!r} needs CUDA tensors (got {device}); use 'emulation'"
+            )
+        if requested == "deepgemm" and _deep_gemm() is None:
+            raise ValueError("FP8 backend 'deepgemm' requested but deep_gemm does not import")
+        _log_choice(device.type, requested, "requested")
+        return requested
+    if device.type != "cuda":
+        choice, reason = "emulation", "no CUDA device"
+    elif _deep_gemm() is not None:
+        choice, reason = "deepgemm", "deep_gemm imports"
+    else:
+        choice, reason = "torch", "cuBLAS blockwise dense + Triton grouped"
+    _log_choice(device.type, choice, reason)
+    return choice
+
+
+# --- grouped fprop / dgrad: y[rows of g] = A[rows of g] @ B[g]ᵀ ---------------------------
+# The scale granularity fixes BLOCK_K = 128 and BLOCK_M = 128 (one row tile). BLOCK_N,
+# stages and warps are set by bench_ops_fp8.py's sweep on the H200. MAX_IMPRECISE None keeps
+# Triton's Hopper default for fp8 dots (tensor-core accumulation inside each 128-wide K block,
+# promoted to fp32 per block as in DeepSeek-V3); 32 would promote after every instruction.
+# Measured on the H200 (Qwen3 expert shapes): BLOCK_N 128 with a scalar B scale per K step
+# ran 617 TFLOP/s; a [BLOCK_N] scale vector (to allow BLOCK_N = 256) cost 16% at 128 and
+# BLOCK_N = 256 ran 214; MAX_IMPRECISE = 32 cut the rate 5x for 1.3e-4 -> 4.6e-5 error.
+GEMM_CONFIG = {"num_stages": 4, "num_warps": 8, "MAX_IMPRECISE": None}
+
+
+@triton.jit
+def _fp8_grouped_gemm_kernel(
+    a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, tile_start_ptr, tile_end_ptr, tile_group_ptr,
+    N, K, num_k_blocks, num_n_scale_blocks, num_groups,
+    SCALE_E8M0: tl.constexpr, UPCAST: tl.constexpr, MAX_IMPRECISE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    g = tl.load(tile_group_ptr + pid_t)
+    if g >= num_groups:
+        return
+    row_start = tl.load(tile_start_ptr + pid_t)
+    row_end = tl.load(tile_end_ptr + pid_t)
+    rows = row_start + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    row_ok = rows < row_end
+    col_ok = cols < N
+    rows64 = rows.to(tl.int64)
+    g64 = g.to(tl.int64)
+    a_ptrs = a_ptr + rows64[:, None] * K + ks[None, :]
+    b_ptrs = b_ptr + g64 * N * K + cols[:, None].to(tl.int64) * K + ks[None, :]
+    sa_ptrs = sa_ptr + rows64 * num_k_blocks
+    # BLOCK_N = 128: one B scale per K step for the whole tile.
+    sb_ptrs = sb_ptr + (g64 * num_n_scale_blocks + pid_n) * num_k_blocks
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(num_k_blocks):
+        k_ok = ks < K - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        sa = tl.load(sa_ptrs + kb, mask=row_ok, other=0)
+        sb = tl.load(sb_ptrs + kb)
+        if SCALE_E8M0:
+            sa = (sa.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+            sb = (sb.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        if UPCAST:  # the interpreter multiplies fp8 bit patterns; upcast first there
+            partial = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)))
+        else:
+            partial = tl.dot(a, tl.trans(b), max_num_imprecise_acc=MAX_IMPRECISE)
+        acc += partial * (sa[:, None] * sb)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    c_ptrs = c_ptr + rows64[:, None] * N + cols[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _check_grouped(a: Fp8Quantized, b: Fp8Quantized, tiles: RowTiles) -> None:
+    if a.data.dim() != 2 or b.data.dim() != 3 or a.data.shape[1] != b.data.shape[2]:
+        raise ValueError(
+            f"A data shape ({tuple(a.data.shape)}) and B data shape ({tuple(b.data.shape)}) "
+            "must be [M, K] and [G, N, K]"
+        )
+    if a.data.shape[0] != tiles.num_rows:
+        raise ValueError(
+            f"A has {a.data.shape[0]} rows but the tiles cover {tiles.num_rows}; build the "
+            "tiles with row_tiles(tokens_per_expert, num_rows=A rows)"
+        )
+
+
+def _grouped_gemm_triton(a, b, tiles, out_dtype, upcast=False):
+    num_rows, k_dim = a.data.shape
+    num_groups, n_dim, _ = b.data.shape
+    out = torch.empty(num_rows, n_dim, dtype=out_dtype, device=a.data.device)
+    e8m0 = a.scale.dtype == torch.float8_e8m0fnu
+    sa = a.scale.view(torch.uint8) if e8m0 else a.scale
+    sb = b.scale.view(torch.uint8) if e8m0 else b.scale
+    cfg = GEMM_CONFIG
+    launch(
+        _fp8_grouped_gemm_kernel, (tiles.num_tiles, cdiv(n_dim, BLOCK)),
+        a.data, sa, b.data, sb, out, tiles.start_T, tiles.end_T, tiles.group_T,
+        n_dim, k_dim, cdiv(k_dim, BLOCK), cdiv(n_dim, BLOCK), num_groups,
+        SCALE_E8M0=e8m0, UPCAST=upcast or not a.data.is_cuda,
+        MAX_IMPRECISE=cfg["MAX_IMPRECISE"], BLOCK_M=BLOCK, BLOCK_N=BLOCK, BLOCK_K=BLOCK,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    return out
+
+
+SCALED_MM_PROBE_ERRORS: list[str] = []
+
+
+@cache
+def _scaled_mm_scale_layout(device_index: int) -> str | None:
+    """Finds (once) a scale layout that cuBLAS blockwise ``_scaled_mm`` accepts and gets right."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    dev = torch.device("cuda", device_index)
+    a = (torch.randn(256, 256, device=dev, generator=gen) * 8).to(torch.float8_e4m3fn)
+    b = (torch.randn(256, 256, device=dev, generator=gen) * 8).to(torch.float8_e4m3fn)
+    sa = torch.exp2(torch.randint(-3, 3, (256, 2), device=dev, generator=gen).float())
+    sb = torch.exp2(torch.randint(-3, 3, (2, 2), device=dev, generator=gen).float())
+    expected = dequantize_1x128(Fp8Quantized(a, sa)) @ dequantize_128x128(Fp8Quantized(b, sb)).T
+    for layout in ("outer_major", "contiguous"):
+        try:
+            got = _scaled_mm_call(a, sa, b, sb, torch.float32, layout)
+        except RuntimeError as err:
+            _log.info("torch._scaled_mm blockwise with %s scales failed: %s", layout, err)
+            SCALED_MM_PROBE_ERRORS.append(f"{layout}: {err}"[:300])
+            continue
+        err = float((got - expected).norm() / expected.norm())
+        if err < 1e-3:  # a wrong layout is off by O(1); cuBLAS accumulation differs ~1e-4
+            return layout
+        _log.info("torch._scaled_mm blockwise with %s scales: wrong result (%.2e)", layout, err)
+        SCALED_MM_PROBE_ERRORS.append(f"{layout}: relative error {err:.2e}")
+    return None
+
+
+def _scaled_mm_call(a, sa, b, sb, out_dtype, layout):
+    # cuBLAS reads B column-major ([K, N] view of the [N, K] weight) and, in the
+    # "outer_major" layout, the 1×128 scales M-major and the 128×128 scales [Kb, Nb].
+    sb_kn = sb.T
+    if layout == "outer_major":
+        sa = sa.T.contiguous().T
+        sb_kn = sb_kn.contiguous()
+    else:
+        sa = sa.contiguous()
+        sb_kn = sb_kn.contiguous()
+    return torch._scaled_mm(a, b.T, scale_a=sa, scale_b=sb_kn, out_dtype=out_dtype)
+
+
+def _dense_torch(a, b, out_dtype):
+    m, k = a.data.shape
+    n = b.data.shape[1]
+    layout = _scaled_mm_scale_layout(a.data.device.index or 0)
+    if layout is None or m % 16 or n % 16 or k % 128:
+        return None
+    return _scaled_mm_call(
+        a.data, scale_to_float(a.scale), b.data[0], scale_to_float(b.scale[0]), out_dtype, layout
+    )
+
+
+def _dense_deepgemm(a, b, out_dtype):
+    out = torch.empty(a.data.shape[0], b.data.shape[1], dtype=out_dtype, device=a.data.device)
+    _deep_gemm().fp8_gemm_nt(
+        (a.data, scale_to_float(a.scale)), (b.data[0], scale_to_float(b.scale[0])), out
+    )
+    return out
+
+
+def fp8_grouped_gemm(
+    a: Fp8Quantized,
+    b: Fp8Quantized,
+    tiles: RowTiles,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    backend: str | None = None,
+) -> Tensor:
+    """``y[rows of g] = A[rows of g] @ B[g]ᵀ`` for block-scaled FP8 operands.
+
+    Args:
+        a: 1×128-quantized rows: data [M, K], scales [M, ceil(K/128)].
+        b: 128×128-quantized stacked weights: data [G, N, K], scales [G, N/128, K/128].
+        tiles: Row tiles of the G groups (:func:`mt_ops.fp8_quant.row_tiles`); G = 1 for a
+            dense GEMM.
+        out_dtype: Output dtype.
+        backend: Backend override (see module docstring).
+
+    Returns:
+        ``y`` [M, N] in ``out_dtype``.
+    """
+    _check_grouped(a, b, tiles)
+    choice = fp8_backend(a.data.device, backend)
+    if choice == "emulation":
+        return fp8_grouped_gemm_reference(a, b, tiles, out_dtype=out_dtype)
+    if b.data.shape[0] == 1 and choice in ("torch", "deepgemm"):
+        dense = _dense_deepgemm if choice == "deepgemm" else _dense_torch
+        out = dense(a, b, out_dtype)
+        if out is not None:
+            return out
+    return _grouped_gemm_triton(a, b, tiles, out_dtype)
+
+
+def fp8_grouped_gemm_reference(
+    a: Fp8Quantized,
+    b: Fp8Quantized,
+    tiles: RowTiles,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    backend: str | None = None,
+) -> Tensor:
+    """Exact emulation of :func:`fp8_grouped_gemm`: dequantize, then fp32 matmuls per group."""
+    del backend
+    _check_grouped(a, b, tiles)
+    a_MK = dequantize_1x128(a)
+    b_GNK = dequantize_128x128(b)
+    out = torch.zeros(a_MK.shape[0], b_GNK.shape[1], dtype=torch.float32, device=a_MK.device)
+    starts, ends, groups = tiles.start_T.tolist(), tiles.end_T.tolist(), tiles.group_T.tolist()
+    for start, end, g in zip(starts, ends, groups, strict=True):
+        if g < b_GNK.shape[0] and end > start:
+            out[start:end] = a_MK[start:end] @ b_GNK[g].T
+    return out.to(out_dtype)
+
+
+# --- grouped wgrad: dW[g] = Σ over g's tiles of Aᵀ-tile · Bᵀ-tileᵀ --------------------------
+# Tile-padded operands hold zeros past each tile's rows, so the K loop needs no masks or
+# per-tile lengths and pipelines like a plain GEMM; scales are tile-major ([T, N]) so each
+# step loads two contiguous scale rows. H200 sweep (Qwen3 shapes, strided [N, T] scales):
+# 128×128 229 TFLOP/s, 128×256 158, 256×128 108; stages 3 and 4 equal.
+WGRAD_CONFIG = {
+    "BLOCK_M": 128, "BLOCK_N": 128, "num_stages": 3, "num_warps": 8, "MAX_IMPRECISE": None
+}  # fmt: skip
+
+
+@triton.jit
+def _fp8_grouped_wgrad_kernel(
+    a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, tile_start_ptr, tile_end_ptr, group_first_tile_ptr,
+    M_A, N_B, padded_cols, num_tiles,
+    ACCUMULATE: tl.constexpr, SCALE_E8M0: tl.constexpr, UPCAST: tl.constexpr,
+    MAX_IMPRECISE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    g = tl.program_id(2)
+    first = tl.load(group_first_tile_ptr + g)
+    last = tl.load(group_first_tile_ptr + g + 1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    row_ok = rows < M_A
+    col_ok = cols < N_B
+    rows64 = rows.to(tl.int64)
+    cols64 = cols.to(tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    a_ptrs = a_ptr + rows64[:, None] * padded_cols + first * BLOCK_K + ks[None, :]
+    b_ptrs = b_ptr + cols64[:, None] * padded_cols + first * BLOCK_K + ks[None, :]
+    for t in range(first, last):
+        a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+        b = tl.load(b_ptrs, mask=col_ok[:, None], other=0.0)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+        sa = tl.load(sa_ptr + t * M_A + rows, mask=row_ok, other=0)  # scales are [T, M_A]
+        sb = tl.load(sb_ptr + t * N_B + cols, mask=col_ok, other=0)
+        if SCALE_E8M0:
+            sa = (sa.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+            sb = (sb.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        if UPCAST:
+            partial = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)))
+        else:
+            partial = tl.dot(a, tl.trans(b), max_num_imprecise_acc=MAX_IMPRECISE)
+        acc += partial * (sa[:, None] * sb[None, :])
+    c_ptrs = c_ptr + (g.to(tl.int64) * M_A + rows64[:, None]) * N_B + cols[None, :]
+    c_mask = row_ok[:, None] & col_ok[None, :]
+    if ACCUMULATE:
+        acc += tl.load(c_ptrs, mask=c_mask, other=0.0)
+    tl.store(c_ptrs, acc, mask=c_mask)
+
+
+def _check_wgrad(a_t: Fp8Quantized, b_t: Fp8Quantized, tiles: RowTiles) -> None:
+    if a_t.data.dim() != 2 or b_t.data.dim() != 2 or a_t.data.shape[1] != b_t.data.shape[1]:
+        raise ValueError(
+            f"transposed operands' data shapes ({tuple(a_t.data.shape)}, "
+            f"{tuple(b_t.data.shape)}) must be [N, 128·T] and [K, 128·T]"
+        )
+    if a_t.data.shape[1] != BLOCK * tiles.num_tiles:
+        raise ValueError(
+            f"transposed data has {a_t.data.shape[1]} columns; tile-padded layout of "
+            f"{tiles.num_tiles} tiles needs {BLOCK * tiles.num_tiles}; quantize with the same tiles"
+        )
+
+
+def fp8_grouped_wgrad(
+    a_t: Fp8Quantized,
+    b_t: Fp8Quantized,
+    tiles: RowTiles,
+    *,
+    out: Tensor | None = None,
+    backend: str | None = None,
+) -> Tensor:
+    """``dW[g] = A[rows of g]ᵀ @ B[rows of g]`` from tile-padded transposed FP8 operands.
+
+    Args:
+        a_t: Transposed half of :func:`~mt_ops.fp8_quant.quantize_1x128_dual` of the output
+            gradient: data [N, 128·T], scales [T, N].
+        b_t: The same for the layer input: data [K, 128·T], scales [T, K].
+        tiles: The row tiles both were quantized with (G groups).
+        out: Optional fp32 [G, N, K] to accumulate into (a weight's ``main_grad``).
+        backend: Backend override (see module docstring).
+
+    Returns:
+        fp32 [G, N, K] (``out`` itself when given, with the product added).
+    """
+    _check_wgrad(a_t, b_t, tiles)
+    num_groups = tiles.group_first_tile_G.numel() - 1
+    choice = fp8_backend(a_t.data.device, backend)
+    if choice == "emulation":
+        result = fp8_grouped_wgrad_reference(a_t, b_t, tiles)
+        if out is None:
+            return result
+        return out.add_(result)
+    n_dim, k_dim = a_t.data.shape[0], b_t.data.shape[0]
+    accumulate = out is not None
+    if out is None:
+        out = torch.empty(num_groups, n_dim, k_dim, dtype=torch.float32, device=a_t.data.device)
+    e8m0 = a_t.scale.dtype == torch.float8_e8m0fnu
+    sa = a_t.scale.view(torch.uint8) if e8m0 else a_t.scale
+    sb = b_t.scale.view(torch.uint8) if e8m0 else b_t.scale
+    cfg = WGRAD_CONFIG
+    launch(
+        _fp8_grouped_wgrad_kernel,
+        (cdiv(n_dim, cfg["BLOCK_M"]), cdiv(k_dim, cfg["BLOCK_N"]), num_groups),
+        a_t.data, sa, b_t.data, sb, out, tiles.start_T, tiles.end_T, tiles.group_first_tile_G,
+        n_dim, k_dim, a_t.data.shape[1], tiles.num_tiles,
+        ACCUMULATE=accumulate, SCALE_E8M0=e8m0, UPCAST=not a_t.data.is_cuda,
+        MAX_IMPRECISE=cfg["MAX_IMPRECISE"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=BLOCK, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    return out
+
+
+def fp8_grouped_wgrad_reference(
+    a_t: Fp8Quantized,
+    b_t: Fp8Quantized,
+    tiles: RowTiles,
+    *,
+    out: Tensor | None = None,
+    backend: str | None = None,
+) -> Tensor:
+    """Exact emulation of :func:`fp8_grouped_wgrad`: dequantize, fp32 matmul per group."""
+    del backend
+    _check_wgrad(a_t, b_t, tiles)
+    a_NM = dequantize_tiles_transposed(a_t, tiles, tiles.num_rows)
+    b_KM = dequantize_tiles_transposed(b_t, tiles, tiles.num_rows)
+    num_groups = tiles.group_first_tile_G.numel() - 1
+    first = tiles.group_first_tile_G.tolist()
+    starts, ends = tiles.start_T.tolist(), tiles.end_T.tolist()
+    result = torch.zeros(num_groups, a_NM.shape[0], b_KM.shape[0], device=a_NM.device)
+    for g in range(num_groups):
+        if first[g + 1] > first[g]:
+            lo, hi = starts[first[g]], ends[first[g + 1] - 1]
+            result[g] = a_NM[:, lo:hi] @ b_KM[:, lo:hi].T
+    return result if out is None else out.add_(result)

@@ -1,0 +1,510 @@
+"""FP8 (E4M3) block quantization: 1×128 tiles for activations/gradients, 128×128 for weights.
+
+Legend: M rows (tokens), K columns (the contraction dim of the GEMM that reads the result),
+N weight rows, E groups (experts), T row tiles.
+
+DeepSeek-V3's recipe scales every 1×128 tile of an activation (one row, 128 columns) and
+every 128×128 block of a weight by its own factor, so one outlier only costs precision in
+its own tile. Our scales are powers of two, rounded up: ``scale = 2**k`` with the smallest
+``k`` such that ``amax / scale <= 448`` (the E4M3 maximum). Multiplying by a power of two is
+exact, so dequantization is exact and the scale fits Blackwell's E8M0 format (an 8-bit
+exponent, stored here as ``torch.float8_e8m0fnu``) as well as fp32 on Hopper. ``k`` is read
+straight off the fp32 bits of ``amax`` (448 = 1.75·2**8): ``k = exponent(amax) - 8``, plus
+one when the mantissa of ``amax`` exceeds 1.75; no division, so kernel and reference agree
+bit for bit. An all-zero tile gets scale 1. Values are clamped to ±448 before the cast,
+because PyTorch 2.11's cast to ``float8_e4m3fn`` turns overflow into NaN.
+
+Eager PyTorch needs an abs, an amax, a division and a cast, each a pass over memory; the
+kernels read each element once and write fp8 data and scales in the same pass. The dual
+(fused-transposed) kernel quantizes ``x`` by rows (for fprop/dgrad) *and* ``xᵀ`` by
+128-row tiles (for wgrad, where the tokens are the contraction dim) from one read.
+With ``tiles`` (see :func:`row_tiles`), the transposed tiles restart at each expert's first
+row, so an expert's wgrad never shares a scale with another expert's tokens. The transposed
+data is *tile-padded*: tile ``i`` occupies columns ``[128·i, 128·i + rows of tile i)`` of a
+``[K, 128·T]`` tensor and the rest of its 128 columns hold zeros, so every tile starts on an
+aligned column and the wgrad GEMM loads full 16-byte vectors.
+"""
+
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+import torch
+from torch import Tensor
+
+from mt_ops._triton import cdiv, launch, tl, triton, use_kernels
+
+__all__ = [
+    "FP8_MAX",
+    "Fp8Quantized",
+    "RowTiles",
+    "ScaleFormat",
+    "dequantize_1x128",
+    "dequantize_128x128",
+    "dequantize_tiles_transposed",
+    "quantize_128x128",
+    "quantize_128x128_reference",
+    "quantize_1x128",
+    "quantize_1x128_dual",
+    "quantize_1x128_dual_reference",
+    "quantize_1x128_reference",
+    "row_tiles",
+    "scale_to_float",
+]
+
+FP8_MAX = 448.0
+BLOCK = 128
+ScaleFormat = Literal["fp32", "e8m0"]
+_FP8 = torch.float8_e4m3fn
+
+
+class Fp8Quantized(NamedTuple):
+    """FP8 data and the scales that dequantize it (``x ≈ data.float() * scale``).
+
+    Attributes:
+        data: float8_e4m3fn tensor.
+        scale: Power-of-two scales, float32 or float8_e8m0fnu, one per tile/block.
+    """
+
+    data: Tensor
+    scale: Tensor
+
+
+@dataclass(frozen=True)
+class RowTiles:
+    """Tiles of at most 128 consecutive rows that never cross a group (expert) boundary.
+
+    Tile ``i`` covers rows ``[start_T[i], end_T[i])`` of group ``group_T[i]``. There are
+    ``T = ceil(M / 128) + G`` tile slots (a bound that needs no host sync); unused slots
+    have ``start == end == 0`` and ``group == G``. Tiles of one group are consecutive and in
+    row order.
+
+    Attributes:
+        start_T: First row of each tile, int32 [T].
+        end_T: One past the last row, int32 [T].
+        group_T: Group of each tile, int32 [T] (G for unused slots).
+        group_first_tile_G: Index of each group's first tile, int32 [G + 1] (last = used).
+        num_rows: M.
+    """
+
+    start_T: Tensor
+    end_T: Tensor
+    group_T: Tensor
+    group_first_tile_G: Tensor
+    num_rows: int
+
+    @property
+    def num_tiles(self) -> int:
+        """T, the number of tile slots (used and unused)."""
+        return self.start_T.numel()
+
+
+def row_tiles(rows_per_group_G: Tensor, num_rows: int) -> RowTiles:
+    """Splits each group's rows into 128-row tiles, on the groups' device, without host sync.
+
+    Args:
+        rows_per_group_G: Rows of each group, integer [G], summing to ``num_rows``;
+            groups' rows are consecutive, in group order.
+        num_rows: M, the total number of rows.
+
+    Returns:
+        The :class:`RowTiles`.
+    """
+    counts_G = rows_per_group_G.long()
+    num_groups = counts_G.numel()
+    device = counts_G.device
+    ends_G = torch.cumsum(counts_G, 0)  # [G]
+    tiles_G = (counts_G + BLOCK - 1) // BLOCK  # [G]
+    tile_ends_G = torch.cumsum(tiles_G, 0)  # [G]
+    num_slots = cdiv(num_rows, BLOCK) + num_groups
+    slot_T = torch.arange(num_slots, device=device)
+    group_T = torch.searchsorted(tile_ends_G, slot_T, right=True)  # [T], G when unused
+    g_T = group_T.clamp(max=max(num_groups - 1, 0))
+    if num_groups == 0:
+        zeros = torch.zeros(num_slots, dtype=torch.int32, device=device)
+        first = torch.zeros(1, dtype=torch.int32, device=device)
+        return RowTiles(zeros, zeros, zeros, first, num_rows)
+    tile_in_group_T = slot_T - (tile_ends_G - tiles_G)[g_T]
+    start_T = (ends_G - counts_G)[g_T] + BLOCK * tile_in_group_T
+    end_T = torch.minimum(start_T + BLOCK, ends_G[g_T])
+    used_T = group_T < num_groups
+    start_T = torch.where(used_T, start_T, 0)
+    end_T = torch.where(used_T, end_T, 0)
+    first_G = torch.cat([tile_ends_G.new_zeros(1), tile_ends_G])  # [G + 1]
+    return RowTiles(start_T.int(), end_T.int(), group_T.int(), first_G.int(), num_rows)
+
+
+def _check_scale_format(scale_format: str) -> None:
+    if scale_format not in ("fp32", "e8m0"):
+        raise ValueError(
+            f"scale_format ({scale_format!r}) must be 'fp32' (Hopper) or 'e8m0' (Blackwell)"
+        )
+
+
+def _empty_scales(shape, scale_format: ScaleFormat, device) -> Tensor:
+    if scale_format == "e8m0":
+        return torch.empty(shape, dtype=torch.uint8, device=device).view(torch.float8_e8m0fnu)
+    return torch.empty(shape, dtype=torch.float32, device=device)
+
+
+def _scale_storage(scale: Tensor) -> Tensor:
+    return scale.view(torch.uint8) if scale.dtype == torch.float8_e8m0fnu else scale
+
+
+def scale_to_float(scale: Tensor) -> Tensor:
+    """Scales as float32 (E8M0 bytes ``b`` mean ``2**(b - 127)``)."""
+    if scale.dtype == torch.float8_e8m0fnu:
+        bits = scale.view(torch.uint8).to(torch.int32) << 23  # exponent field
+        return bits.view(torch.float32)
+    return scale.float()
+
+
+# One program quantizes a BLOCK_M × 128 tile: rows (1×128 scales) and/or columns (the
+# transposed 128×1 scales), reading x once. The dual kernel needs BLOCK_M = 128 (a token
+# tile); the rows-only block and both warp counts are set by bench_ops_fp8.py's sweep.
+# H200 sweep ([65536, 4096] bf16): rows-only 260-262 us for every (block, warps) tried;
+# dual 417 us at 4 warps, 453 at 8, 547 at 16.
+QUANT_CONFIG = {"rows_block_m": 32, "rows_warps": 4, "dual_warps": 4}
+
+
+@triton.jit
+def _quant_1x128_kernel(
+    x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, tile_start_ptr, tile_end_ptr,
+    num_rows, num_cols, stride_x, num_col_tiles, num_row_tiles,
+    ROWWISE: tl.constexpr, COLWISE: tl.constexpr, SEGMENTED: tl.constexpr,
+    E8M0: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    if SEGMENTED:
+        row_start = tl.load(tile_start_ptr + pid_m)
+        row_end = tl.load(tile_end_ptr + pid_m)
+    else:
+        row_start = pid_m * BLOCK_M
+        row_end = tl.minimum(row_start + BLOCK_M, num_rows)
+    rows = row_start + tl.arange(0, BLOCK_M)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    row_ok = rows < row_end
+    col_ok = cols < num_cols
+    mask = row_ok[:, None] & col_ok[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    if ROWWISE:
+        amax = tl.max(tl.abs(x), axis=1)  # [BLOCK_M]
+        bits = amax.to(tl.int32, bitcast=True)
+        k = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+        k = tl.where(amax == 0.0, 0, tl.maximum(k, -126))
+        inv = ((127 - k) << 23).to(tl.float32, bitcast=True)
+        q = tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0)
+        q_offs = rows64[:, None] * num_cols + cols[None, :]
+        tl.store(q_ptr + q_offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+        s_offs = rows64 * num_col_tiles + pid_k
+        if E8M0:
+            tl.store(s_ptr + s_offs, (k + 127).to(tl.uint8), mask=row_ok)
+        else:
+            tl.store(s_ptr + s_offs, ((k + 127) << 23).to(tl.float32, bitcast=True), mask=row_ok)
+    if COLWISE:
+        amax_c = tl.max(tl.abs(x), axis=0)  # [BLOCK_K]
+        bits_c = amax_c.to(tl.int32, bitcast=True)
+        kc = ((bits_c >> 23) & 0xFF) - 135 + ((bits_c & 0x7FFFFF) > 0x600000).to(tl.int32)
+        kc = tl.where(amax_c == 0.0, 0, tl.maximum(kc, -126))
+        inv_c = ((127 - kc) << 23).to(tl.float32, bitcast=True)
+        qc = tl.minimum(tl.maximum(x * inv_c[None, :], -448.0), 448.0)
+        # Tile-padded transposed layout: this tile owns columns [128·pid_m, 128·pid_m + 128)
+        # of x^T; rows past the tile end were loaded as 0 and are written as zero padding.
+        tile_cols = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        qt_offs = cols[None, :].to(tl.int64) * (num_row_tiles * BLOCK_M) + tile_cols[:, None]
+        tl.store(qt_ptr + qt_offs, qc.to(qt_ptr.dtype.element_ty), mask=col_ok[None, :])
+        st_offs = pid_m.to(tl.int64) * num_cols + cols  # [T, K]: one coalesced row per tile
+        if E8M0:
+            tl.store(st_ptr + st_offs, (kc + 127).to(tl.uint8), mask=col_ok)
+        else:
+            tl.store(st_ptr + st_offs, ((kc + 127) << 23).to(tl.float32, bitcast=True), mask=col_ok)
+
+
+def _check_2d(x: Tensor, what: str) -> None:
+    if x.dim() != 2:
+        raise ValueError(
+            f"{what} shape ({tuple(x.shape)}) must be 2-D [M, K]; flatten leading dims"
+        )
+    if x.stride(-1) != 1:
+        raise ValueError(
+            f"{what} must have a contiguous last dim (strides {x.stride()}); call .contiguous()"
+        )
+
+
+def _launch_1x128(x_MK, tiles, rowwise, colwise, scale_format):
+    num_rows, num_cols = x_MK.shape
+    dev = x_MK.device
+    num_col_tiles = cdiv(num_cols, BLOCK)
+    segmented = tiles is not None
+    block_m = BLOCK if colwise else QUANT_CONFIG["rows_block_m"]
+    num_row_tiles = tiles.num_tiles if segmented else cdiv(num_rows, block_m)
+    q = torch.empty((num_rows, num_cols) if rowwise else (0,), dtype=_FP8, device=dev)
+    s = _empty_scales((num_rows, num_col_tiles) if rowwise else (0,), scale_format, dev)
+    qt_shape = (num_cols, num_row_tiles * BLOCK) if colwise else (0,)
+    qt = torch.empty(qt_shape, dtype=_FP8, device=dev)
+    st = _empty_scales((num_row_tiles, num_cols) if colwise else (0,), scale_format, dev)
+    dummy = torch.zeros(1, dtype=torch.int32, device=dev)
+    launch(
+        _quant_1x128_kernel, (num_row_tiles, num_col_tiles),
+        x_MK, q, _scale_storage(s), qt, _scale_storage(st),
+        tiles.start_T if segmented else dummy, tiles.end_T if segmented else dummy,
+        num_rows, num_cols, x_MK.stride(0), num_col_tiles, num_row_tiles,
+        ROWWISE=rowwise, COLWISE=colwise, SEGMENTED=segmented, E8M0=scale_format == "e8m0",
+        BLOCK_M=block_m, BLOCK_K=BLOCK,
+        num_warps=QUANT_CONFIG["dual_warps" if colwise else "rows_warps"],
+    )  # fmt: skip
+    return Fp8Quantized(q, s), Fp8Quantized(qt, st)
+
+
+def quantize_1x128(x_MK: Tensor, *, scale_format: ScaleFormat = "fp32") -> Fp8Quantized:
+    """Quantizes each 1×128 tile of every row (activations, output gradients).
+
+    Args:
+        x_MK: [M, K] float tensor; K need not be a multiple of 128 (the last tile is short).
+        scale_format: ``"fp32"`` or ``"e8m0"``.
+
+    Returns:
+        ``data`` fp8 [M, K] and ``scale`` [M, ceil(K / 128)].
+    """
+    _check_scale_format(scale_format)
+    _check_2d(x_MK, "x")
+    if not use_kernels(x_MK):
+        return quantize_1x128_reference(x_MK, scale_format=scale_format)
+    return _launch_1x128(x_MK, None, True, False, scale_format)[0]
+
+
+def quantize_1x128_dual(
+    x_MK: Tensor, *, tiles: RowTiles | None = None, scale_format: ScaleFormat = "fp32"
+) -> tuple[Fp8Quantized, Fp8Quantized]:
+    """Quantizes x by 1×128 row tiles and xᵀ by 128-row tiles, reading x once.
+
+    Args:
+        x_MK: [M, K] float tensor.
+        tiles: Row tiles that restart at each group (expert); None: plain 128-row tiles.
+        scale_format: ``"fp32"`` or ``"e8m0"``.
+
+    Returns:
+        ``(rowwise, transposed)``: rowwise data [M, K] with scales [M, ceil(K/128)], and
+        tile-padded transposed data [K, 128·T] with scales [T, K] (T = row tiles, or
+        ceil(M/128) without ``tiles``; padding and unused slots hold 0 with scale 1). The
+        scales are tile-major so that the wgrad GEMM reads one contiguous row per tile.
+    """
+    _check_scale_format(scale_format)
+    _check_2d(x_MK, "x")
+    if not use_kernels(x_MK):
+        return quantize_1x128_dual_reference(x_MK, tiles=tiles, scale_format=scale_format)
+    return _launch_1x128(x_MK, tiles, True, True, scale_format)
+
+
+def _launch_1x128_kernel_for_test(x_MK, tiles=None, scale_format: ScaleFormat = "fp32"):
+    """Runs the dual kernel on any device (interpreter on CPU); tests use it."""
+    return _launch_1x128(x_MK, tiles, True, True, scale_format)
+
+
+def _pow2_exponent(amax: Tensor) -> Tensor:
+    """Smallest k with amax / 2**k <= 448, from the fp32 bits (see module docstring)."""
+    bits = amax.float().contiguous().view(torch.int32)
+    k = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).int()
+    return torch.where(amax == 0, 0, k.clamp_min(-126))
+
+
+def _encode(k: Tensor, scale_format: ScaleFormat) -> Tensor:
+    if scale_format == "e8m0":
+        return (k + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+    return ((k + 127) << 23).int().view(torch.float32)
+
+
+def _pow2(k: Tensor) -> Tensor:
+    return ((k + 127) << 23).int().view(torch.float32)
+
+
+def _cast(x: Tensor) -> Tensor:
+    return x.clamp(-FP8_MAX, FP8_MAX).to(_FP8)
+
+
+def quantize_1x128_reference(x_MK: Tensor, *, scale_format: ScaleFormat = "fp32") -> Fp8Quantized:
+    """Reference of :func:`quantize_1x128` in plain PyTorch (same arguments and results)."""
+    _check_scale_format(scale_format)
+    num_rows, num_cols = x_MK.shape
+    num_col_tiles = cdiv(num_cols, BLOCK)
+    x = torch.nn.functional.pad(x_MK.float(), (0, num_col_tiles * BLOCK - num_cols))
+    x_MCB = x.view(num_rows, num_col_tiles, BLOCK)
+    k_MC = _pow2_exponent(x_MCB.abs().amax(-1) if num_rows else x_MCB.new_zeros(0, num_col_tiles))
+    q = _cast(x_MCB * _pow2(-k_MC)[..., None]).view(num_rows, num_col_tiles * BLOCK)[:, :num_cols]
+    return Fp8Quantized(q.contiguous(), _encode(k_MC, scale_format))
+
+
+def _tile_of_row(tiles: RowTiles) -> Tensor:
+    lengths_T = (tiles.end_T - tiles.start_T).long()
+    slots_T = torch.arange(tiles.num_tiles, device=lengths_T.device)
+    return torch.repeat_interleave(slots_T, lengths_T)
+
+
+def quantize_1x128_dual_reference(
+    x_MK: Tensor, *, tiles: RowTiles | None = None, scale_format: ScaleFormat = "fp32"
+) -> tuple[Fp8Quantized, Fp8Quantized]:
+    """Reference of :func:`quantize_1x128_dual` in plain PyTorch (same arguments and results)."""
+    _check_scale_format(scale_format)
+    rowwise = quantize_1x128_reference(x_MK, scale_format=scale_format)
+    num_rows, num_cols = x_MK.shape
+    if tiles is None:
+        tiles = row_tiles(torch.tensor([num_rows], device=x_MK.device), num_rows)
+        tiles = RowTiles(  # plain tiles: drop the one spare slot of the single group
+            tiles.start_T[: cdiv(num_rows, BLOCK)], tiles.end_T[: cdiv(num_rows, BLOCK)],
+            tiles.group_T[: cdiv(num_rows, BLOCK)], tiles.group_first_tile_G, num_rows,
+        )  # fmt: skip
+    tile_R = _tile_of_row(tiles)  # [M]
+    absx_MK = x_MK.float().abs()
+    amax_TK = torch.zeros(tiles.num_tiles, num_cols, device=x_MK.device)
+    amax_TK.scatter_reduce_(0, tile_R[:, None].expand(num_rows, num_cols), absx_MK, "amax")
+    k_TK = _pow2_exponent(amax_TK)
+    q_MK = _cast(x_MK.float() * _pow2(-k_TK)[tile_R])
+    padded_KP = torch.zeros(num_cols, tiles.num_tiles * BLOCK, dtype=_FP8, device=x_MK.device)
+    padded_KP[:, _padded_column(tiles, tile_R)] = q_MK.T
+    return rowwise, Fp8Quantized(padded_KP, _encode(k_TK, scale_format))
+
+
+def _padded_column(tiles: RowTiles, tile_R: Tensor) -> Tensor:
+    """Column of each row in the tile-padded transposed layout."""
+    rows_R = torch.arange(tile_R.numel(), device=tile_R.device)
+    return BLOCK * tile_R + rows_R - tiles.start_T.long()[tile_R]
+
+
+# One program per 128×128 block of one group's weight. The transposed copy (for dgrad) is
+# the same blocks transposed (a 128×128 block's scale is symmetric), made by PyTorch from the
+# result: storing the fp8 tile a second time, transposed, from this kernel gave wrong bytes
+# on the H200 (Triton 3.6; 25% of bytes differed, NaNs included; bench_ops_fp8_check.py),
+# while the fused-transposed activation kernel above is bit-exact. Weights are quantized
+# once per optimizer step, so the extra byte copy costs little.
+@triton.jit
+def _quant_128x128_kernel(
+    w_ptr, q_ptr, s_ptr, num_rows, num_cols, num_row_blocks, num_col_blocks,
+    E8M0: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    g = tl.program_id(2).to(tl.int64)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = pid_k * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < num_rows)[:, None] & (cols < num_cols)[None, :]
+    base = g * num_rows * num_cols
+    w = tl.load(w_ptr + base + rows[:, None] * num_cols + cols[None, :], mask=mask, other=0.0)
+    w = w.to(tl.float32)
+    amax = tl.max(tl.max(tl.abs(w), axis=1), axis=0)
+    bits = amax.to(tl.int32, bitcast=True)
+    k = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    k = tl.where(amax == 0.0, 0, tl.maximum(k, -126))
+    inv = ((127 - k) << 23).to(tl.float32, bitcast=True)
+    q = tl.minimum(tl.maximum(w * inv, -448.0), 448.0).to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + base + rows[:, None] * num_cols + cols[None, :], q, mask=mask)
+    s_offs = g * num_row_blocks * num_col_blocks + pid_n * num_col_blocks + pid_k
+    if E8M0:
+        tl.store(s_ptr + s_offs, (k + 127).to(tl.uint8))
+    else:
+        tl.store(s_ptr + s_offs, ((k + 127) << 23).to(tl.float32, bitcast=True))
+
+
+def quantize_128x128(
+    w: Tensor, *, scale_format: ScaleFormat = "fp32", transpose: bool = False
+) -> tuple[Fp8Quantized, Fp8Quantized | None]:
+    """Quantizes each 128×128 block of a weight [N, K] or stacked weights [E, N, K].
+
+    Args:
+        w: Weight [N, K] or [E, N, K], contiguous.
+        scale_format: ``"fp32"`` or ``"e8m0"``.
+        transpose: Also return the quantized transpose (for dgrad): the same blocks and
+            scales, transposed (a byte copy; see the note above the kernel).
+
+    Returns:
+        ``(blocks, transposed)``: data like ``w`` with scales [(E,) ceil(N/128), ceil(K/128)],
+        and, when ``transpose``, data [(E,) K, N] with scales [(E,) ceil(K/128), ceil(N/128)]
+        (else None).
+    """
+    _check_scale_format(scale_format)
+    if w.dim() not in (2, 3) or not w.is_contiguous():
+        raise ValueError(
+            f"w shape ({tuple(w.shape)}) must be a contiguous [N, K] or [E, N, K]; "
+            "call .contiguous()"
+        )
+    if not use_kernels(w):
+        return quantize_128x128_reference(w, scale_format=scale_format, transpose=transpose)
+    return _launch_128x128(w, scale_format, transpose)
+
+
+def _launch_128x128(w, scale_format, transpose):
+    w3 = w if w.dim() == 3 else w.unsqueeze(0)
+    groups, num_rows, num_cols = w3.shape
+    nb, kb = cdiv(num_rows, BLOCK), cdiv(num_cols, BLOCK)
+    q = torch.empty(w3.shape, dtype=_FP8, device=w.device)
+    s = _empty_scales((groups, nb, kb), scale_format, w.device)
+    launch(
+        _quant_128x128_kernel, (nb, kb, groups), w3, q, _scale_storage(s), num_rows, num_cols,
+        nb, kb, E8M0=scale_format == "e8m0", BLOCK_N=BLOCK, num_warps=8,
+    )  # fmt: skip
+    squeeze = (lambda t: t[0]) if w.dim() == 2 else (lambda t: t)
+    blocks = Fp8Quantized(squeeze(q), squeeze(s))
+    if not transpose:
+        return blocks, None
+    qt = q.transpose(1, 2).contiguous()  # see the note above _quant_128x128_kernel
+    st = _scale_storage(s).transpose(1, 2).contiguous().view(s.dtype)
+    return blocks, Fp8Quantized(squeeze(qt), squeeze(st))
+
+
+def quantize_128x128_reference(
+    w: Tensor, *, scale_format: ScaleFormat = "fp32", transpose: bool = False
+) -> tuple[Fp8Quantized, Fp8Quantized | None]:
+    """Reference of :func:`quantize_128x128` in plain PyTorch (same arguments and results)."""
+    _check_scale_format(scale_format)
+    w3 = w.float() if w.dim() == 3 else w.float().unsqueeze(0)
+    groups, num_rows, num_cols = w3.shape
+    nb, kb = cdiv(num_rows, BLOCK), cdiv(num_cols, BLOCK)
+    padded = torch.nn.functional.pad(w3, (0, kb * BLOCK - num_cols, 0, nb * BLOCK - num_rows))
+    blocks = padded.view(groups, nb, BLOCK, kb, BLOCK)
+    k_GNK = _pow2_exponent(blocks.abs().amax(dim=(2, 4)))  # [G, nb, kb]
+    q = _cast(blocks * _pow2(-k_GNK)[:, :, None, :, None]).view(groups, nb * BLOCK, kb * BLOCK)
+    q = q[:, :num_rows, :num_cols].contiguous()
+    s = _encode(k_GNK, scale_format)
+    squeeze = (lambda t: t[0]) if w.dim() == 2 else (lambda t: t)
+    out = Fp8Quantized(squeeze(q), squeeze(s))
+    if not transpose:
+        return out, None
+    qt = q.transpose(1, 2).contiguous()
+    st = s.transpose(1, 2).contiguous()
+    return out, Fp8Quantized(squeeze(qt), squeeze(st))
+
+
+def dequantize_1x128(q: Fp8Quantized) -> Tensor:
+    """fp32 values of a 1×128-quantized [M, K] tensor (exact)."""
+    num_cols = q.data.shape[-1]
+    scale = scale_to_float(q.scale).repeat_interleave(BLOCK, dim=-1)[..., :num_cols]
+    return q.data.float() * scale
+
+
+def dequantize_128x128(q: Fp8Quantized) -> Tensor:
+    """fp32 values of a 128×128-quantized [(E,) N, K] tensor (exact)."""
+    num_rows, num_cols = q.data.shape[-2:]
+    scale = scale_to_float(q.scale).repeat_interleave(BLOCK, dim=-2)[..., :num_rows, :]
+    scale = scale.repeat_interleave(BLOCK, dim=-1)[..., :num_cols]
+    return q.data.float() * scale
+
+
+def dequantize_tiles_transposed(q: Fp8Quantized, tiles: RowTiles | None, num_rows: int) -> Tensor:
+    """fp32 values [K, M] of the (tile-padded) transposed half of :func:`quantize_1x128_dual`.
+
+    Args:
+        q: The transposed half: data [K, 128·T], scales [T, K].
+        tiles: The row tiles it was quantized with (None: plain 128-row tiles).
+        num_rows: M.
+
+    Returns:
+        ``xᵀ`` as fp32 [K, M], exactly.
+    """
+    if tiles is None:
+        tile_R = torch.arange(num_rows, device=q.data.device) // BLOCK
+        column_R = torch.arange(num_rows, device=q.data.device)
+    else:
+        tile_R = _tile_of_row(tiles)
+        column_R = _padded_column(tiles, tile_R)
+    return q.data[:, column_R].float() * scale_to_float(q.scale)[tile_R].T

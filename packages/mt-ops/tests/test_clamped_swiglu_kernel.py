@@ -1,0 +1,38 @@
+"""The fused clamped-SwiGLU kernel against the owner's reference (clamped_swiglu.py)."""
+
+import pytest
+import torch
+
+from mt_ops.clamped_swiglu import clamped_swiglu_reference
+from mt_ops.clamped_swiglu_kernel import _kernel_function_for_test, clamped_swiglu_fused
+
+
+def _gate_up(shape, dtype, device="cpu", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=gen) * 6).to(device, dtype)  # many values past ±7
+
+
+def test_fused_clamped_swiglu_matches_reference_in_interpreter(assert_close, run_with_grads):
+    fused = lambda gu: _kernel_function_for_test().apply(gu, 1.702, 7.0)
+    gate_up = _gate_up((3, 37, 2 * 45), torch.float32)  # 4995 outputs: three ragged blocks
+    out, grads = run_with_grads(fused, [gate_up])
+    ref_out, ref_grads = run_with_grads(clamped_swiglu_reference, [gate_up])
+    assert out.shape == (3, 37, 45)
+    assert_close(out, ref_out, torch.float32, "out")
+    assert_close(grads[0], ref_grads[0], torch.float32, "grad gate_up")
+
+
+def test_fused_clamped_swiglu_runs_the_eager_op_on_cpu():
+    gate_up = _gate_up((4, 16), torch.float32)
+    torch.testing.assert_close(clamped_swiglu_fused(gate_up), clamped_swiglu_reference(gate_up))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_clamped_swiglu_on_gpu_matches_reference(dtype, assert_close, run_with_grads):
+    gate_up = _gate_up((4099, 2 * 720), dtype, device="cuda")
+    out, grads = run_with_grads(clamped_swiglu_fused, [gate_up])
+    ref_out, ref_grads = run_with_grads(clamped_swiglu_reference, [gate_up])
+    assert_close(out, ref_out, dtype, "out")
+    assert_close(grads[0], ref_grads[0], dtype, "grad gate_up")

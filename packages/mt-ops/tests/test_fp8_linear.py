@@ -1,0 +1,229 @@
+"""FP8 linears, weight cache, conversion. Legend: R rows, D in, O out, E experts."""
+
+import pytest
+import torch
+from torch import nn
+
+from mt_ops import GroupedLinear, grouped_linear_reference
+from mt_ops.deferred_wgrad import Linear, WeightGradQueue, set_weight_grad_queue
+from mt_ops.fp8_linear import FP8GroupedLinear, FP8Linear, FP8WeightCache, convert_to_fp8
+
+
+def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    x, y = x.detach().double(), y.detach().double()
+    return float(1 - 2 * (x * y).sum() / (x * x + y * y).sum())
+
+
+def _grouped(num_experts=4, dim_in=256, dim_out=384, bias=True, device="cpu", seed=0):
+    torch.manual_seed(seed)
+    module = GroupedLinear(num_experts, dim_in, dim_out, bias=bias).to(device)
+    nn.init.normal_(module.weight, std=dim_in**-0.5)
+    if bias:
+        nn.init.normal_(module.bias)
+    return module
+
+
+def _run(module, x, counts, grad_out):
+    x = x.detach().clone().requires_grad_(True)
+    y = module(x, counts)
+    y.backward(grad_out)
+    return y, x.grad
+
+
+@pytest.mark.parametrize("counts", [[100, 0, 37, 200], [0, 0, 5, 0]])
+def test_fp8_grouped_linear_matches_fp32_within_calc_diff(counts):
+    module = _grouped()
+    counts_E = torch.tensor(counts)
+    x = torch.randn(sum(counts), 256).bfloat16()
+    fp8 = FP8GroupedLinear.from_grouped_linear(_grouped(), weight_cache=FP8WeightCache())
+    grad_out = torch.randn(sum(counts), 384).bfloat16()
+    y, grad_x = _run(fp8, x, counts_E, grad_out)
+    assert y.dtype == torch.bfloat16 and fp8.weight.grad.dtype == torch.float32
+    x_ref = x.float().requires_grad_(True)
+    y_ref = grouped_linear_reference(x_ref, module.weight, counts_E, module.bias)
+    y_ref.backward(grad_out.float())
+    assert calc_diff(y, y_ref) <= 1e-3
+    assert calc_diff(grad_x, x_ref.grad) <= 1e-3
+    assert calc_diff(fp8.weight.grad, module.weight.grad) <= 1e-3
+    torch.testing.assert_close(fp8.bias.grad, module.bias.grad, rtol=1e-2, atol=1e-2)
+    empty = [e for e, c in enumerate(counts) if c == 0]
+    assert torch.all(fp8.weight.grad[empty] == 0) and torch.all(fp8.bias.grad[empty] == 0)
+
+
+def test_fp8_linear_matches_nn_linear_within_calc_diff_over_leading_dims():
+    torch.manual_seed(1)
+    linear = nn.Linear(128, 256)
+    fp8 = FP8Linear.from_linear(nn.Linear(128, 256))
+    fp8.load_state_dict(linear.state_dict())
+    x = torch.randn(3, 50, 128).bfloat16()
+    grad_out = torch.randn(3, 50, 256).bfloat16()
+    x1 = x.clone().requires_grad_(True)
+    y = fp8(x1)
+    y.backward(grad_out)
+    x2 = x.float().requires_grad_(True)
+    y_ref = linear(x2)
+    y_ref.backward(grad_out.float())
+    assert y.shape == (3, 50, 256)
+    assert calc_diff(y, y_ref) <= 1e-3 and calc_diff(x1.grad, x2.grad) <= 1e-3
+    assert calc_diff(fp8.weight.grad, linear.weight.grad) <= 1e-3
+    torch.testing.assert_close(fp8.bias.grad, linear.bias.grad, rtol=1e-2, atol=1e-2)
+
+
+def test_weight_cache_quantizes_once_per_step_and_again_after_the_update():
+    cache = FP8WeightCache()
+    fp8 = FP8GroupedLinear.from_grouped_linear(_grouped(), weight_cache=cache)
+    optimizer = torch.optim.SGD(fp8.parameters(), lr=0.1)
+    counts = torch.tensor([10, 20, 0, 5])
+    for _micro_batch in range(3):
+        fp8(torch.randn(35, 256), counts).sum().backward()
+    assert cache.num_quantizations == 1
+    optimizer.step()
+    cache.invalidate()
+    assert len(cache) == 0
+    y_after = fp8(torch.ones(35, 256), counts)
+    assert cache.num_quantizations == 2
+    optimizer.step()  # forgot invalidate(): the version guard still re-quantizes
+    y_next = fp8(torch.ones(35, 256), counts)
+    assert cache.num_quantizations == 3 and not torch.equal(y_after, y_next)
+    dense = FP8Linear.from_linear(nn.Linear(128, 64), weight_cache=cache)
+    for _micro_batch in range(2):
+        dense(torch.randn(2, 5, 128)).sum().backward()
+    assert cache.num_quantizations == 4  # a 2-D weight is cached by the parameter too
+
+
+def test_convert_to_fp8_keeps_names_and_parameter_objects_and_skips_head_and_odd_dims():
+    model = nn.Module()
+    model.proj = nn.Linear(128, 256)
+    model.odd = nn.Linear(100, 256)
+    model.experts = nn.Module()
+    model.experts.up_proj = _grouped()
+    model.lm_head = nn.Linear(256, 512, bias=False)
+    before = dict(model.named_parameters())
+    convert_to_fp8(model, weight_cache=FP8WeightCache())
+    after = dict(model.named_parameters())
+    assert list(before) == list(after)
+    assert all(before[name] is after[name] for name in before)
+    assert isinstance(model.proj, FP8Linear) and isinstance(model.experts.up_proj, FP8GroupedLinear)
+    assert type(model.odd) is nn.Linear and type(model.lm_head) is nn.Linear
+    only_experts = nn.Module()
+    only_experts.proj = nn.Linear(128, 256)
+    only_experts.up = _grouped()
+    convert_to_fp8(only_experts, lambda module, fqn: isinstance(module, GroupedLinear))
+    assert type(only_experts.proj) is nn.Linear and isinstance(only_experts.up, FP8GroupedLinear)
+
+
+def test_deferred_fp8_linear_weight_grad_lands_on_the_parameter():
+    torch.manual_seed(5)
+    immediate = FP8Linear.from_linear(nn.Linear(128, 64))
+    deferred = FP8Linear.from_linear(nn.Linear(128, 64))
+    deferred.load_state_dict(immediate.state_dict())
+    queue = WeightGradQueue()
+    set_weight_grad_queue(deferred, queue)
+    x = torch.randn(3, 7, 128)
+    for module in (immediate, deferred):
+        module(x).square().sum().backward()
+    assert deferred.weight.grad is None and queue.flush() == 1
+    assert deferred.weight.grad.shape == (64, 128)
+    torch.testing.assert_close(deferred.weight.grad, immediate.weight.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+def test_deferred_weight_grads_equal_immediate_ones(kind):
+    counts = torch.tensor([7, 0, 30, 12])
+    x = torch.randn(49, 256)
+    grad_out = torch.randn(49, 384)
+
+    def make():
+        module = _grouped(seed=3)
+        if kind == "fp8":
+            module = FP8GroupedLinear.from_grouped_linear(module)
+        return module
+
+    immediate, deferred = make(), make()
+    queue = WeightGradQueue()
+    assert set_weight_grad_queue(deferred, queue) == 1
+    for module in (immediate, deferred):
+        module.weight.grad = torch.full_like(module.weight, 0.5)  # accumulates onto it
+        _run(module, x, counts, grad_out)
+    assert len(queue) == 1 and torch.all(deferred.weight.grad == 0.5)
+    assert torch.equal(deferred.bias.grad, immediate.bias.grad)  # bias is not deferred
+    assert queue.flush() == 1 and len(queue) == 0
+    torch.testing.assert_close(deferred.weight.grad, immediate.weight.grad, rtol=0, atol=0)
+
+
+def test_deferred_linear_equals_nn_linear():
+    torch.manual_seed(4)
+    reference = nn.Linear(24, 40)
+    deferred = Linear.from_linear(nn.Linear(24, 40))
+    deferred.load_state_dict(reference.state_dict())
+    queue = WeightGradQueue()
+    set_weight_grad_queue(deferred, queue)
+    x = torch.randn(2, 9, 24)
+    for module in (reference, deferred):
+        x_leaf = x.clone().requires_grad_(True)
+        module(x_leaf).square().sum().backward()
+        module.x_grad = x_leaf.grad
+    assert deferred.weight.grad is None and len(queue) == 1
+    queue.flush()
+    torch.testing.assert_close(deferred.weight.grad, reference.weight.grad)
+    torch.testing.assert_close(deferred.bias.grad, reference.bias.grad)
+    torch.testing.assert_close(deferred.x_grad, reference.x_grad)
+
+
+def test_fp8_linear_rejects_unaligned_features():
+    with pytest.raises(ValueError, match="multiples of 16"):
+        FP8Linear(100, 256)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fp8_grouped_linear_on_gpu_matches_emulation_and_bf16(backend):
+    counts = torch.tensor([0, 900, 17, 0, 2000, 1], device="cuda")
+    module = _grouped(6, 2048, 768, bias=True, device="cuda")
+    x = torch.randn(int(counts.sum()), 2048, device="cuda").bfloat16()
+    grad_out = torch.randn(x.shape[0], 768, device="cuda").bfloat16()
+    results = {}
+    for name in (backend, "emulation"):
+        fp8 = FP8GroupedLinear.from_grouped_linear(
+            _grouped(6, 2048, 768, device="cuda"), backend=name
+        )
+        y, grad_x = _run(fp8, x, counts, grad_out)
+        results[name] = (y.float(), grad_x.float(), fp8.weight.grad, fp8.bias.grad)
+    names = ["y", "grad x", "grad w", "grad bias"]
+    for name, got, expected in zip(names, results[backend], results["emulation"], strict=True):
+        assert torch.isfinite(got).all(), name
+        rel = float((got - expected).norm() / expected.norm())
+        assert rel <= 4e-3, (name, rel)  # bf16 output rounding of the same fp32 products
+    x_ref = x.float().requires_grad_(True)
+    y_ref = grouped_linear_reference(x_ref, module.weight, counts, module.bias)
+    y_ref.backward(grad_out.float())
+    y, grad_x, grad_w, _ = results[backend]
+    assert calc_diff(y, y_ref) <= 1e-3 and calc_diff(grad_x, x_ref.grad) <= 1e-3
+    assert calc_diff(grad_w, module.weight.grad) <= 1e-3
+
+
+def test_grouped_linear_and_deferred_linear_run_under_autocast_with_fp32_parameters():
+    counts = torch.tensor([5, 0, 9, 2])
+    module = _grouped(bias=True)
+    linear = Linear.from_linear(nn.Linear(384, 32))
+    queue = WeightGradQueue()
+    set_weight_grad_queue(linear, queue)
+    x = torch.randn(16, 256, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = linear(module(x, counts))
+    assert y.dtype == torch.bfloat16
+    y.float().square().sum().backward()
+    queue.flush()
+    assert module.weight.grad.dtype == torch.float32 and linear.weight.grad.dtype == torch.float32
+    assert module.weight.grad.abs().sum() > 0 and linear.weight.grad.abs().sum() > 0
+
+
+def test_make_weight_grads_deferrable_swaps_linears_and_keeps_parameters():
+    from mt_ops.deferred_wgrad import make_weight_grads_deferrable
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    before = dict(model.named_parameters())
+    assert make_weight_grads_deferrable(model) == 2
+    assert all(isinstance(model[i], Linear) for i in (0, 2))
+    assert all(before[n] is p for n, p in model.named_parameters())

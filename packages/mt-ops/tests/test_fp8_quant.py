@@ -1,0 +1,179 @@
+"""FP8 block quantization. Legend: M rows, K columns, N weight rows, E groups, T row tiles."""
+
+import pytest
+import torch
+
+from mt_ops.fp8_quant import (
+    Fp8Quantized,
+    _launch_1x128_kernel_for_test,
+    _launch_128x128,
+    dequantize_1x128,
+    dequantize_128x128,
+    dequantize_tiles_transposed,
+    quantize_1x128_dual,
+    quantize_1x128_dual_reference,
+    quantize_1x128_reference,
+    quantize_128x128,
+    quantize_128x128_reference,
+    row_tiles,
+    scale_to_float,
+)
+
+FORMATS = ["fp32", "e8m0"]
+
+
+def _wide_range(num_rows, num_cols, seed=0):
+    """Rows and columns spanning 12 orders of magnitude, with an all-zero row and column."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_rows, num_cols, generator=gen)
+    x = x * torch.logspace(-6, 6, num_cols)[None, :] * torch.logspace(-3, 3, num_rows)[:, None]
+    if num_rows > 2 and num_cols > 2:
+        x[2] = 0.0
+        x[:, 1] = 0.0
+    return x
+
+
+def _mostly_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether >= 75% of the fp8 values agree bit for bit (random indexing: ~1%).
+
+    The interpreter's cast to fp8 truncates values just under a power of two to the binade
+    below (1.98 -> 1.0), so on CPU only the layout and most values can be checked; the GPU
+    test asserts bit-exactness. Wrong indexing or scaling would disagree almost everywhere.
+    """
+    if a.numel() == 0:
+        return a.shape == b.shape
+    same = a.contiguous().view(torch.uint8) == b.contiguous().view(torch.uint8)
+    return a.shape == b.shape and float(same.float().mean()) >= 0.75
+
+
+def test_row_tiles_cover_every_row_once_and_restart_at_each_expert():
+    counts = torch.tensor([0, 130, 3, 0, 300])
+    tiles = row_tiles(counts, 433)
+    used = tiles.group_T < 5
+    assert tiles.num_tiles == 4 + 5  # ceil(433 / 128) + E slots
+    lengths = (tiles.end_T - tiles.start_T)[used]
+    assert int(lengths.sum()) == 433 and int(lengths.max()) <= 128
+    starts = tiles.start_T[used].tolist()
+    assert starts == [0, 128, 130, 133, 261, 389]  # every expert starts a new tile
+    assert tiles.group_first_tile_G.tolist() == [0, 0, 2, 3, 3, 6]
+    assert torch.all(tiles.start_T[~used] == 0) and torch.all(tiles.end_T[~used] == 0)
+
+
+@pytest.mark.parametrize("scale_format", FORMATS)
+def test_reference_scale_is_the_smallest_power_of_two_that_fits_448(scale_format):
+    x = _wide_range(64, 300)
+    q = quantize_1x128_reference(x, scale_format=scale_format)
+    scale = scale_to_float(q.scale)
+    amax = torch.nn.functional.pad(x.abs(), (0, 84)).view(64, 3, 128).amax(-1)
+    nonzero = amax > 0
+    assert torch.all(torch.log2(scale) == torch.round(torch.log2(scale)))  # powers of two
+    assert torch.all(amax[nonzero] / scale[nonzero] <= 448)
+    assert torch.all(amax[nonzero] / (scale[nonzero] / 2) > 448)  # and the smallest
+    assert torch.all(scale[~nonzero] == 1.0)
+    assert torch.all(q.data[2].float() == 0.0)
+    # Exact scaling: dequantized values are the fp8 rounding of x / scale, error <= 1/16.
+    deq = dequantize_1x128(q)
+    rel = (deq - x).abs() / x.abs().clamp_min(1e-30)
+    big = x.abs() >= scale.repeat_interleave(128, 1)[:, :300] * 2**-6  # normal fp8 range
+    assert float(rel[big].max()) <= 2**-4
+
+
+def test_huge_values_quantize_without_nan():
+    x = torch.tensor([[3.0e38, -3.0e38, 1.0, 0.0] * 40])
+    q = quantize_1x128_reference(x)
+    assert not torch.isnan(q.data.float()).any()
+    assert float(q.data.float().abs().max()) <= 448
+
+
+@pytest.mark.parametrize("scale_format", FORMATS)
+@pytest.mark.parametrize("segmented", [False, True])
+@pytest.mark.parametrize("shape", [(300, 200), (1, 5), (0, 128)])
+def test_dual_kernel_matches_reference_scales_exactly_in_interpreter(
+    shape, segmented, scale_format
+):
+    x = _wide_range(*shape).bfloat16()
+    tiles = row_tiles(torch.tensor([0, 130, 3, shape[0] - 133]), shape[0])
+    if not segmented or shape[0] < 133:
+        tiles = None
+    rows, cols = _launch_1x128_kernel_for_test(x, tiles, scale_format)
+    ref_rows, ref_cols = quantize_1x128_dual_reference(x, tiles=tiles, scale_format=scale_format)
+    assert torch.equal(scale_to_float(rows.scale), scale_to_float(ref_rows.scale))
+    assert torch.equal(scale_to_float(cols.scale), scale_to_float(ref_cols.scale))
+    assert _mostly_equal(rows.data, ref_rows.data)
+    assert _mostly_equal(cols.data, ref_cols.data)
+    assert cols.data.shape == (shape[1], 128 * cols.scale.shape[0])
+
+
+@pytest.mark.parametrize("segmented", [False, True])
+def test_transposed_quantization_dequantizes_to_x_transposed_per_expert_tiles(segmented):
+    x = torch.randn(261, 130)
+    tiles = row_tiles(torch.tensor([100, 0, 161]), 261) if segmented else None
+    rows, cols = quantize_1x128_dual_reference(x, tiles=tiles)
+    xt = dequantize_tiles_transposed(cols, tiles, 261)
+    assert xt.shape == (130, 261)
+    torch.testing.assert_close(xt, x.T, rtol=2**-4, atol=1e-4)  # atol: fp8 subnormals
+    if segmented:  # a tile never mixes experts: row 99's tile ends at row 99
+        tile_cols = cols.data.float()[:, 0:128]
+        assert torch.all(tile_cols[:, 100:] == 0)
+
+
+@pytest.mark.parametrize("scale_format", FORMATS)
+def test_128x128_kernel_matches_reference_and_transpose_in_interpreter(scale_format):
+    w = torch.randn(2, 260, 190, generator=torch.Generator().manual_seed(3)) * 3
+    (q, s), (qt, st) = _launch_128x128(w, scale_format, True)
+    (rq, rs), (rqt, rst) = quantize_128x128_reference(w, scale_format=scale_format, transpose=True)
+    assert torch.equal(scale_to_float(s), scale_to_float(rs))
+    assert torch.equal(scale_to_float(st), scale_to_float(rs).transpose(1, 2))
+    assert _mostly_equal(q, rq)
+    assert torch.equal(rqt.float(), rq.float().transpose(1, 2))
+    assert torch.equal(qt.float(), q.float().transpose(1, 2))
+    deq = dequantize_128x128(Fp8Quantized(rq, rs))
+    torch.testing.assert_close(deq, w, rtol=2**-4, atol=2**-6 * 3)
+
+
+def test_public_quantizers_fall_back_to_references_on_cpu():
+    x = torch.randn(5, 40)
+    rows, cols = quantize_1x128_dual(x)
+    ref_rows, ref_cols = quantize_1x128_dual_reference(x)
+    assert torch.equal(rows.data.float(), ref_rows.data.float())
+    assert torch.equal(cols.data.float(), ref_cols.data.float())
+    (q, _), qt = quantize_128x128(torch.randn(16, 32))
+    assert qt is None and q.shape == (16, 32)
+
+
+def test_quantize_rejects_unknown_scale_format():
+    with pytest.raises(ValueError, match="scale_format"):
+        quantize_1x128_dual(torch.randn(2, 8), scale_format="ue8m0")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("scale_format", FORMATS)
+@pytest.mark.parametrize("shape", [(4096, 2048), (1023, 777), (1, 128), (0, 256)])
+def test_quantization_kernels_are_bit_exact_against_reference_on_gpu(shape, scale_format):
+    x = _wide_range(*shape, seed=1).cuda().bfloat16()
+    counts = torch.tensor([shape[0] // 3, 0, shape[0] - shape[0] // 3]).cuda()
+    for tiles in (None, row_tiles(counts, shape[0])):
+        rows, cols = quantize_1x128_dual(x, tiles=tiles, scale_format=scale_format)
+        ref_rows, ref_cols = quantize_1x128_dual_reference(
+            x, tiles=tiles, scale_format=scale_format
+        )
+        for got, ref in ((rows, ref_rows), (cols, ref_cols)):
+            assert torch.equal(scale_to_float(got.scale), scale_to_float(ref.scale))
+            got_bits, ref_bits = got.data.view(torch.uint8), ref.data.view(torch.uint8)
+            bad = (got_bits != ref_bits).nonzero()
+            detail = [
+                (tuple(i), float(got.data[tuple(i)]), float(ref.data[tuple(i)]))
+                for i in bad[:4].tolist()
+            ]
+            if got is rows and bad.shape[0]:  # the exact value before the cast
+                r, c = bad[0].tolist()
+                detail.append(float(x[r, c].float() / scale_to_float(ref.scale)[r, c // 128]))
+            assert bad.shape[0] == 0, f"{bad.shape[0]} of {got_bits.numel()} differ: {detail}"
+    w = _wide_range(*shape, seed=2).cuda().contiguous()
+    (q, s), (qt, st) = quantize_128x128(w, scale_format=scale_format, transpose=True)
+    (rq, rs), (rqt, rst) = quantize_128x128_reference(w, scale_format=scale_format, transpose=True)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+    assert torch.equal(qt.view(torch.uint8), rqt.view(torch.uint8))
+    assert torch.equal(scale_to_float(s), scale_to_float(rs))
+    assert torch.equal(scale_to_float(st), scale_to_float(rst))

@@ -1,0 +1,119 @@
+"""Context parallelism: each CP rank holds 2 of 2·cp sequence chunks, in zigzag order.
+
+Causal attention over a sequence split into 2·cp chunks is balanced when rank r takes
+chunks r and 2·cp−1−r (an early, cheap chunk and a late, expensive one). Each rank
+reads only its tokens (plus one extra label token per chunk), computes RoPE at the
+global positions, and attends its queries to the keys and values of the whole sequence,
+which the CP ranks all-gather (the backward reduces the key/value gradients back to
+their owners). The attention mask comes from the global positions of the queries and
+keys, so causal, sliding-window and sink attention need no special case.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from mt_ops import attention
+
+
+def zigzag_ranges(seq_len: int, cp: int, cp_rank: int) -> list[tuple[int, int]]:
+    """Column ranges of a seq_len+1 sample that CP rank `cp_rank` reads.
+
+    Args:
+        seq_len: S, tokens per sequence (inputs); a multiple of 2·cp.
+        cp: context-parallel size.
+        cp_rank: this rank's index in the CP group.
+
+    Returns:
+        Two `(start, end)` ranges, each a chunk of S/(2·cp) inputs plus one label token.
+    """
+    if seq_len % (2 * cp):
+        raise ValueError(f"seq_len ({seq_len}) must be divisible by 2*cp ({2 * cp})")
+    chunk = seq_len // (2 * cp)
+    first, second = cp_rank, 2 * cp - 1 - cp_rank
+    return [(first * chunk, (first + 1) * chunk + 1), (second * chunk, (second + 1) * chunk + 1)]
+
+
+def zigzag_positions(seq_len: int, cp: int, cp_rank: int) -> Tensor:
+    """Global positions of the input tokens a CP rank holds (int64 [S / cp])."""
+    return torch.cat([torch.arange(a, b - 1) for a, b in zigzag_ranges(seq_len, cp, cp_rank)])
+
+
+def split_sample(tokens: Tensor, ranges: list[tuple[int, int]]) -> tuple[Tensor, Tensor, Tensor]:
+    """Cuts inputs, labels and positions out of [B, S+1] samples for the given ranges.
+
+    Args:
+        tokens: int64 [B, S+1] whole samples, or [B, Σ(end−start)] with only the columns
+            of `ranges` (as mt-data's `take(token_ranges=...)` returns them).
+        ranges: the `(start, end)` column ranges of `zigzag_ranges`.
+
+    Returns:
+        `(inputs [B, L], labels [B, L], positions [L])`, L = Σ(end − start − 1).
+    """
+    whole = tokens.shape[1] > sum(b - a for a, b in ranges)
+    inputs, labels, offset = [], [], 0
+    for start, end in ranges:
+        cols = tokens[:, start:end] if whole else tokens[:, offset : offset + end - start]
+        offset += end - start
+        inputs.append(cols[:, :-1])
+        labels.append(cols[:, 1:])
+    positions = torch.cat([torch.arange(a, b - 1) for a, b in ranges]).to(tokens.device)
+    return torch.cat(inputs, dim=1), torch.cat(labels, dim=1), positions
+
+
+class _GatherSeq(torch.autograd.Function):
+    """All-gather along the sequence dim (2) of [B, H, S_local, D]; backward sums back."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=2)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)  # gloo has no reduce-scatter
+        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return grad.chunk(size, dim=2)[rank], None
+
+
+class ContextParallelAttention:
+    """Attention core for CP: queries of this rank against all-gathered keys/values.
+
+    Args:
+        group: the CP process group.
+    """
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+
+    def __call__(
+        self, q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, *, positions_S: Tensor,
+        scale: float | None = None, window: int | None = None, sinks_H: Tensor | None = None,
+    ) -> Tensor:
+        """Attends this rank's queries to the whole sequence's keys and values.
+
+        Args:
+            q_BHSD: queries of this rank's tokens (RoPE applied at global positions).
+            k_BHSD: keys of this rank's tokens.
+            v_BHSD: values of this rank's tokens.
+            positions_S: global positions of this rank's tokens.
+            scale: softmax scale (None: 1/sqrt(head dim)).
+            window: sliding-window size, None for full causal attention.
+            sinks_H: per-head attention-sink logits, or None.
+
+        Returns:
+            Attention output for this rank's queries [B, H, S_local, Dv].
+        """
+        k_all = _GatherSeq.apply(k_BHSD, self.group)
+        v_all = _GatherSeq.apply(v_BHSD, self.group)
+        parts = [torch.empty_like(positions_S) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(parts, positions_S.contiguous(), group=self.group)
+        return attention(
+            q_BHSD, k_all, v_all, causal=True, scale=scale, window=window, sinks=sinks_H,
+            q_positions=positions_S, kv_positions=torch.cat(parts),
+        )

@@ -1,0 +1,212 @@
+"""Expert parallelism: each EP rank holds E/ep experts; tokens travel to them and back.
+
+Legend: T tokens on this rank, D model dim, E experts of the layer, e = E/ep local
+experts, K top-k, N token rows sent (one per (token, destination rank) pair), M rows
+received, R routed rows on the expert side (one per (received row, local expert) pair).
+
+dispatch (on the token's rank):
+    1. For every token, the EP ranks that own at least one of its K experts. A token is
+       sent once to each such rank, not once per expert (deduplication): N ≤ T·min(K, ep).
+    2. all-to-all of the row counts, then of the rows, with their top-k ids and weights.
+    3. On the expert rank: the received rows' choices of local experts are sorted by
+       expert (mt_ops.plan_dispatch, choices of other ranks' experts go to a dropped
+       bucket) and gathered into the grouped-GEMM layout.
+combine (the reverse):
+    4. On the expert rank: each received row's local expert outputs are weighted by
+       their top-k weights and summed (pre-summed), so a row returns once per rank.
+    5. all-to-all back; each token adds the partial sums of the ranks it visited.
+
+Every step is differentiable: the all-to-all's backward is the all-to-all the other way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from mt_models import Routed
+from mt_models.layers.experts import GroupedExperts
+from mt_ops import DispatchPlan, permute, plan_dispatch, unpermute
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single of rows with autograd: the backward sends gradients back."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, out_splits: list[int], in_splits: list[int], group) -> Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        out_splits, in_splits = ctx.splits
+        grad_in = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        dist.all_to_all_single(grad_in, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return grad_in, None, None, None
+
+
+def all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group) -> Tensor:
+    """Differentiable all-to-all of rows: send `in_splits[r]` rows to rank r.
+
+    Args:
+        x: rows to send, grouped by destination rank [sum(in_splits), ...].
+        out_splits: rows to receive from each rank.
+        in_splits: rows to send to each rank.
+        group: the process group.
+
+    Returns:
+        The received rows [sum(out_splits), ...], grouped by source rank.
+    """
+    return _AllToAll.apply(x, out_splits, in_splits, group)
+
+
+@dataclass
+class ExpertParallelHandle:
+    """What `combine` needs to send expert outputs home.
+
+    Attributes:
+        plan: the expert-side routing plan of the received rows (with a dropped bucket).
+        weights_MK: received top-k weights, zero where the expert is not local [M, K].
+        num_routed: rows that reach a local expert (R).
+        send_token_ids_N: the token of each sent row, grouped by destination rank [N].
+        send_splits: rows sent to each EP rank.
+        recv_splits: rows received from each EP rank.
+        num_tokens: T.
+    """
+
+    plan: DispatchPlan
+    weights_MK: Tensor
+    num_routed: int
+    send_token_ids_N: Tensor
+    send_splits: list[int]
+    recv_splits: list[int]
+    num_tokens: int
+
+
+class ExpertParallelDispatcher:
+    """Dispatches tokens to the EP ranks that own their experts (synchronously).
+
+    Args:
+        num_experts: E, experts of the layer over all EP ranks.
+        group: the EP process group.
+    """
+
+    def __init__(self, num_experts: int, group: dist.ProcessGroup):
+        self.group = group
+        self.ep = dist.get_world_size(group)
+        self.ep_rank = dist.get_rank(group)
+        if num_experts % self.ep:
+            raise ValueError(
+                f"parallel.ep ({self.ep}) must divide num_experts ({num_experts})"
+            )
+        self.num_experts = num_experts
+        self.num_local = num_experts // self.ep
+
+    def dispatch(self, routed: Routed) -> tuple[Tensor, Tensor, ExpertParallelHandle]:
+        """Sends each token once to every EP rank that owns one of its experts.
+
+        Args:
+            routed: an MoE layer's `attend` output (global expert ids).
+
+        Returns:
+            `(tokens_RD, tokens_per_expert_e, handle)` for the local experts.
+        """
+        ids_TK, weights_TK = routed.topk_ids_TK, routed.topk_weights_TK
+        assert ids_TK is not None and weights_TK is not None, "dispatch needs an MoE layer"
+        num_tokens, topk = ids_TK.shape
+        dest_TK = ids_TK // self.num_local  # EP rank owning each choice
+        visits_PT = torch.zeros(self.ep, num_tokens, dtype=torch.bool, device=ids_TK.device)
+        visits_PT.scatter_(0, dest_TK.T, True)  # [ep, T]: does token t go to rank p
+        _, send_token_ids_N = visits_PT.nonzero(as_tuple=True)  # grouped by rank, then token
+        send_splits = visits_PT.sum(dim=1).tolist()
+        counts = torch.tensor(send_splits, dtype=torch.int64, device=ids_TK.device)
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts, group=self.group)
+        recv_splits = recv_counts.tolist()
+
+        x_MD = all_to_all(
+            routed.hidden_TD.index_select(0, send_token_ids_N), recv_splits, send_splits,
+            self.group,
+        )
+        ids_MK = all_to_all(ids_TK.index_select(0, send_token_ids_N), recv_splits,
+                            send_splits, self.group)
+        weights_MK = all_to_all(weights_TK.index_select(0, send_token_ids_N), recv_splits,
+                                send_splits, self.group)
+
+        local_MK = ids_MK - self.ep_rank * self.num_local
+        is_local_MK = (local_MK >= 0) & (local_MK < self.num_local)
+        # Choices of other ranks' experts go to bucket e (= num_local), sorted last.
+        local_MK = torch.where(is_local_MK, local_MK, self.num_local)
+        plan = plan_dispatch(local_MK, self.num_local + 1)
+        tokens_per_expert_e = plan.tokens_per_expert_E[: self.num_local]
+        num_routed = int(tokens_per_expert_e.sum())
+        tokens_RD = permute(x_MD, plan)[:num_routed]  # [R, D]
+        handle = ExpertParallelHandle(
+            plan=plan,
+            weights_MK=weights_MK * is_local_MK.to(weights_MK.dtype),
+            num_routed=num_routed,
+            send_token_ids_N=send_token_ids_N,
+            send_splits=send_splits,
+            recv_splits=recv_splits,
+            num_tokens=num_tokens,
+        )
+        return tokens_RD, tokens_per_expert_e, handle
+
+    def combine(self, expert_out_RD: Tensor, handle: ExpertParallelHandle) -> Tensor:
+        """Pre-sums each row's local expert outputs, sends them home and adds them up.
+
+        Args:
+            expert_out_RD: local expert outputs in dispatch order [R, D].
+            handle: from `dispatch`.
+
+        Returns:
+            `out_TD` [T, D]: each token's top-k weighted sum of expert outputs.
+        """
+        dropped = handle.plan.num_tokens * handle.plan.topk - handle.num_routed
+        zeros = expert_out_RD.new_zeros(dropped, expert_out_RD.shape[1])  # other ranks' choices
+        padded = torch.cat([expert_out_RD, zeros])  # [M·K, D] in plan order
+        partial_MD = unpermute(padded, handle.plan, handle.weights_MK)  # [M, D]
+        back_ND = all_to_all(partial_MD, handle.send_splits, handle.recv_splits, self.group)
+        out_TD = back_ND.new_zeros(handle.num_tokens, back_ND.shape[1])
+        return out_TD.index_add(0, handle.send_token_ids_N, back_ND)  # [T, D]
+
+
+def _slice_experts(experts: GroupedExperts, first: int, count: int) -> None:
+    """Keeps experts [first, first + count) of a (meta-device) GroupedExperts module."""
+    total = experts.num_experts
+    for module in experts.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            assert param.shape[0] == total, f"{name}: {tuple(param.shape)=}, {total=}"
+            sliced = nn.Parameter(param.detach()[first : first + count].clone())
+            setattr(module, name, sliced)
+        if hasattr(module, "num_experts"):
+            module.num_experts = count
+    experts.first_expert_id = experts.first_expert_id + first
+
+
+def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup) -> None:
+    """Gives each EP rank its slice of every MoE layer's experts and an EP dispatcher.
+
+    Call it on the meta-device model, before materializing and `init_weights` (which
+    names experts by global id, so the weights equal those of one process).
+
+    Args:
+        model: an mt-models causal LM.
+        group: the EP process group.
+    """
+    ep, rank = dist.get_world_size(group), dist.get_rank(group)
+    for layer in model.modules():
+        experts = getattr(getattr(layer, "mlp", None), "experts", None)
+        if not isinstance(experts, GroupedExperts) or getattr(layer, "dispatcher", None) is None:
+            continue
+        total = experts.num_experts
+        if total % ep:
+            raise ValueError(f"parallel.ep ({ep}) must divide num_experts ({total})")
+        local = total // ep
+        _slice_experts(experts, rank * local, local)
+        layer.dispatcher = ExpertParallelDispatcher(total, group)

@@ -1,0 +1,142 @@
+"""Turning a plain mt-models model into a (dp, cp, ep)-parallel one, and slicing batches.
+
+Order (ARCHITECTURE.md §3, §5): build on meta → give each EP rank its experts and an
+expert-parallel dispatcher → swap in the context-parallel attention core → materialize
+→ `init_weights(seed)` (a function of the seed and the canonical names alone, so every
+layout starts from the one-process weights) → FSDP2.
+
+Batches: a step's global batch is split into micro-batches of `micro_batch` sequences
+counted over all dp·ep batch ranks; batch rank b takes rows [b·m, (b+1)·m) of each
+micro-batch (m = micro_batch / (dp·ep)), and each CP rank its zigzag columns. So a
+micro-batch holds the same sequences whatever the layout, and so does each
+load-balancing loss computed over it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from functools import partial
+
+import torch
+from torch import Tensor, nn
+
+from mt_parallel.context_parallel import ContextParallelAttention, split_sample, zigzag_ranges
+from mt_parallel.dims import ParallelDims
+from mt_parallel.expert_parallel import apply_expert_parallel
+from mt_parallel.fsdp import apply_fsdp
+from mt_parallel.mesh import ParallelMesh, build_mesh
+from mt_parallel.stats import reduce_router_stats
+
+
+def apply_context_parallel(model: nn.Module, group) -> int:
+    """Swaps every attention module's core for the context-parallel one.
+
+    Returns:
+        The number of attention cores swapped.
+    """
+    swapped = 0
+    for module in model.modules():
+        if hasattr(module, "attention_core"):
+            module.attention_core = ContextParallelAttention(group)
+            swapped += 1
+    if not swapped:
+        raise ValueError(
+            f"{type(model).__name__} has no attention_core to swap; context parallelism "
+            "needs mt-models attention modules"
+        )
+    return swapped
+
+
+def parallelize(
+    model: nn.Module,
+    dims: ParallelDims,
+    device: str | torch.device,
+    *,
+    seed: int,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = torch.float32,
+    reshard_after_forward: bool = True,
+) -> ParallelMesh:
+    """Applies expert, context and FSDP2 parallelism to a meta-device model, in place.
+
+    Needs an initialized default process group of `dims.world_size` ranks.
+
+    Args:
+        model: an mt-models causal LM built under `torch.device("meta")`.
+        dims: the layout (pp must be 1 here).
+        device: where parameters live ("cpu", "cuda" or a cuda device).
+        seed: the run's seed for `init_weights`.
+        param_dtype: compute dtype of gathered parameters (FSDP mixed precision).
+        reduce_dtype: dtype of gradient reductions.
+        reshard_after_forward: FSDP2's reshard policy for decoder layers.
+
+    Returns:
+        The mesh, whose groups the caller uses for reductions and data slicing.
+    """
+    if dims.pp != 1:
+        raise ValueError(f"parallel.pp ({dims.pp}) > 1 needs the pipeline schedule; use pp=1")
+    device = torch.device(device)
+    mesh = build_mesh(dims, device.type)
+    if dims.ep > 1:
+        apply_expert_parallel(model, mesh.group("ep"))
+    if dims.cp > 1:
+        apply_context_parallel(model, mesh.group("cp"))
+    model.to_empty(device=device)
+    model.init_weights(seed)
+    if hasattr(model, "router_stats_reducer"):
+        model.router_stats_reducer = partial(
+            reduce_router_stats,
+            everyone=mesh.group("dp_cp_ep"),
+            batch=mesh.group("dp_ep"),
+            context=mesh.group("cp"),
+        )
+    apply_fsdp(
+        model, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+        reshard_after_forward=reshard_after_forward,
+    )
+    return mesh
+
+
+def check_batch_split(global_batch: int, micro_batch: int, dims: ParallelDims) -> None:
+    """Raises ValueError unless the batch splits into micro-batches and batch ranks."""
+    if global_batch % micro_batch:
+        raise ValueError(
+            f"training.micro_batch_size ({micro_batch}) must divide "
+            f"training.global_batch_size ({global_batch})"
+        )
+    if micro_batch % dims.batch_ranks:
+        raise ValueError(
+            f"training.micro_batch_size ({micro_batch}) counts sequences over all dp*ep "
+            f"({dims.dp}*{dims.ep}={dims.batch_ranks}) batch ranks and must be a multiple "
+            f"of it; use {dims.batch_ranks * max(1, micro_batch // dims.batch_ranks)}"
+        )
+
+
+def rank_batch_slices(
+    tokens: Tensor, micro_batch: int, dims: ParallelDims, batch_rank: int, cp_rank: int
+) -> Iterator[tuple[Tensor, Tensor, Tensor, Tensor | None]]:
+    """Yields this rank's part of each micro-batch of a global batch.
+
+    Args:
+        tokens: the global batch, int64 [G, S+1].
+        micro_batch: sequences per micro-batch over all batch ranks.
+        dims: the layout.
+        batch_rank: index among the dp·ep batch ranks.
+        cp_rank: index in the CP group.
+
+    Yields:
+        `(rows [m, S+1], inputs [m, L], labels [m, L], positions [L] or None)` with
+        m = micro_batch / (dp·ep) and L = S / cp; positions are None without CP.
+    """
+    check_batch_split(tokens.shape[0], micro_batch, dims)
+    per_rank = micro_batch // dims.batch_ranks
+    seq_len = tokens.shape[1] - 1
+    for start in range(0, tokens.shape[0], micro_batch):
+        rows = tokens[start + batch_rank * per_rank : start + (batch_rank + 1) * per_rank]
+        if dims.cp > 1:
+            inputs, labels, positions = split_sample(
+                rows, zigzag_ranges(seq_len, dims.cp, cp_rank)
+            )
+            yield rows, inputs, labels, positions
+        else:
+            yield rows, rows[:, :-1], rows[:, 1:], None

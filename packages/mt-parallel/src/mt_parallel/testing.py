@@ -1,0 +1,232 @@
+"""Helpers for checking parallel runs against one process (used by tests and tools).
+
+`spawn(fn, world_size, *args)` runs `fn(*args)` in `world_size` fresh processes joined
+by a gloo process group, as torchrun would on CPU. `compare_layout` builds the same
+model twice, once whole in this process and once under a (dp, cp, ep) layout, feeds both
+the same global batch and asserts identical routing, loss and every gradient.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from mt_models import build_model
+from mt_parallel.context_parallel import zigzag_positions
+from mt_parallel.dims import ParallelDims
+from mt_parallel.expert_parallel import apply_expert_parallel
+from mt_parallel.grad_norm import clip_grad_norm
+from mt_parallel.parallelize import parallelize, rank_batch_slices
+from mt_parallel.schedule import MicroBatch, run_microbatches
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(
+    rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple, kwargs: dict
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+        WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+    )
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    try:
+        fn(*args, **kwargs)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(
+    fn: Callable, world_size: int, *args: Any, backend: str = "gloo", **kwargs: Any
+) -> None:
+    """Runs `fn(*args, **kwargs)` on `world_size` spawned processes (gloo: CPU, nccl: GPUs).
+
+    An exception on any rank fails the call with that rank's traceback.
+
+    Args:
+        fn: a module-level (picklable) function.
+        world_size: number of processes.
+        *args: picklable arguments.
+        **kwargs: picklable keyword arguments.
+    """
+    mp.spawn(
+        _entry,
+        args=(world_size, _free_port(), backend, fn, args, kwargs),
+        nprocs=world_size,
+        join=True,
+    )
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖a − b‖ / ‖b‖ in float64 (0 when both are zero)."""
+    a, b = a.double(), b.double()
+    denom = b.norm()
+    return float((a - b).norm() / denom) if denom > 0 else float((a - b).norm())
+
+
+@dataclass
+class _Run:
+    losses: list[float]
+    grads: dict[str, torch.Tensor]  # canonical name -> first step's gradient
+    topk: list[torch.Tensor]  # per (micro-batch, MoE layer): top-k ids of this rank's tokens
+
+
+def _record_topk(model: nn.Module, sink: list) -> list:
+    handles = []
+    for module in model.modules():
+        if type(module).__name__.endswith("Router") and hasattr(module, "topk"):
+            handles.append(
+                module.register_forward_hook(lambda m, i, out: sink.append(out.topk_ids_TK))
+            )
+    return handles
+
+
+def _full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    grads = {}
+    for name, param in model.named_parameters():
+        grad = param.grad
+        if isinstance(grad, DTensor):
+            grad = grad.full_tensor()
+        grads[name] = grad.detach().clone() if grad is not None else torch.zeros_like(param)
+    return model.to_canonical(grads)
+
+
+def _train(
+    model: nn.Module, batches: list[torch.Tensor], micro: int, dims: ParallelDims | None,
+    group: dist.ProcessGroup | None, batch_rank: int, cp_rank: int,
+) -> _Run:
+    """Runs len(batches) AdamW steps; records losses, step-1 grads and routing."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    topk: list[torch.Tensor] = []
+    handles = _record_topk(model, topk)
+    run = _Run([], {}, topk)
+    for step, tokens in enumerate(batches):
+        global_tokens = tokens.shape[0] * (tokens.shape[1] - 1)
+        mbs = []
+        for rows, inputs, labels, positions in rank_batch_slices(
+            tokens, micro, dims or ParallelDims(world_size=1), batch_rank, cp_rank
+        ):
+            del rows
+            mbs.append(MicroBatch(inputs, labels, positions))
+        result = run_microbatches(model, mbs, global_tokens)
+        ce = result.ce_sum.to(tokens.device)
+        if group is not None:
+            dist.all_reduce(ce, group=group)
+        run.losses.append(float(ce) / global_tokens)
+        if step == 0:
+            run.grads = _full_grads(model)
+        clip_grad_norm(model.parameters(), 1.0, group)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    for h in handles:
+        h.remove()
+    return run
+
+
+def compare_layout(
+    model_config: Any, layout: dict[str, int], *, seq_len: int, global_batch: int,
+    micro_batch: int, steps: int = 5, seed: int = 0, tol: float = 1e-5,
+    device: str = "cpu", force_expert_parallel: bool = False,
+) -> dict[str, float]:
+    """Asserts that a (dp, cp, ep) layout reproduces one process, on every rank.
+
+    Args:
+        model_config: an mt-models family config (fp32 CPU run).
+        layout: {"dp": .., "cp": .., "ep": ..}; their product is the world size.
+        seq_len: tokens per sequence.
+        global_batch: sequences per step.
+        micro_batch: sequences per micro-batch over all batch ranks.
+        steps: training steps whose losses must track the reference.
+        seed: seeds weights and data.
+        tol: bound on relative loss error and on per-tensor relative gradient error.
+        device: "cpu" (gloo) or "cuda" (NCCL; each rank on its own GPU).
+        force_expert_parallel: use the expert-parallel dispatcher even when ep == 1
+            (one GPU exercises its code path through NCCL that way).
+
+    Returns:
+        The worst errors seen (for reporting).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    if device == "cuda":
+        device = f"cuda:{torch.cuda.current_device()}"
+    batches = [
+        torch.randint(0, model_config.vocab_size, (global_batch, seq_len + 1), generator=gen)
+        .to(device)
+        for _ in range(steps)
+    ]
+    with torch.device("meta"):
+        reference = build_model(model_config)
+    reference.to_empty(device=device)
+    reference.init_weights(seed)
+    ref = _train(reference, batches, micro_batch, None, None, 0, 0)
+
+    dims = ParallelDims(world_size=dist.get_world_size(), **layout)
+    with torch.device("meta"):
+        model = build_model(model_config)
+    if force_expert_parallel and dims.world_size == 1:
+        apply_expert_parallel(model, dist.group.WORLD)
+    mesh = parallelize(model, dims, device, seed=seed)
+    group = mesh.group("dp_cp_ep")
+    par = _train(model, batches, micro_batch, dims, group, mesh.batch_rank, mesh.rank("cp"))
+
+    where = f"layout {layout}, rank {dist.get_rank()}"
+    # Routing first: a flipped near-tie would explain any difference below.
+    ref_topk = _rank_topk(ref.topk, dims, mesh.batch_rank, mesh.rank("cp"), micro_batch, seq_len)
+    assert len(par.topk) == len(ref_topk), f"{where}: {len(par.topk)=} {len(ref_topk)=}"
+    for i, (a, b) in enumerate(zip(par.topk, ref_topk, strict=True)):
+        assert torch.equal(a, b), (
+            f"{where}: top-k routing differs in router call {i} (of {len(ref_topk)}: "
+            "steps x micro-batches x MoE layers); a near-tie flipped, try another seed"
+        )
+    worst = {"loss": 0.0, "grad": 0.0}
+    assert par.grads, f"{where}: no gradients recorded"
+    for name, grad in par.grads.items():
+        err = rel_err(grad, ref.grads[name])
+        worst["grad"] = max(worst["grad"], err)
+        assert err <= tol, f"{where}: gradient of {name} differs by {err:.2e} (relative norm)"
+    for step, (a, b) in enumerate(zip(par.losses, ref.losses, strict=True)):
+        err = abs(a - b) / abs(b)
+        worst["loss"] = max(worst["loss"], err)
+        assert err <= tol, f"{where}: step {step + 1} loss {a} vs one process {b}"
+    return worst
+
+
+def _rank_topk(ref_topk, dims, batch_rank, cp_rank, micro, seq_len):
+    """Cuts each reference router call down to this rank's rows and token positions."""
+    rows_per_rank = micro // dims.batch_ranks
+    positions = zigzag_positions(seq_len, dims.cp, cp_rank)
+    out = []
+    for ids in ref_topk:  # one per (step, micro-batch, MoE layer), [micro·S, K]
+        ids = ids.view(micro, seq_len, -1)
+        rows = ids[batch_rank * rows_per_rank : (batch_rank + 1) * rows_per_rank]
+        out.append(rows[:, positions].reshape(-1, ids.shape[-1]))
+    return out
+
+
+def check_many(cases: list[tuple[Any, list[dict[str, int]]]], **kwargs: Any) -> None:
+    """Runs `compare_layout` for each (model config, layouts) case in turn (a `spawn` target).
+
+    Args:
+        cases: pairs of an mt-models family config and the layouts to check, each of
+            the spawned world size.
+        **kwargs: passed to `compare_layout`.
+    """
+    for model_config, layouts in cases:
+        for layout in layouts:
+            compare_layout(model_config, layout, **kwargs)

@@ -1,0 +1,139 @@
+"""MoE dispatch and loss benchmarks on one GPU, each against a baseline of the same run.
+
+- dispatch planning (per-expert counts, per-EP-rank deduplicated counts, counting sort,
+  inverse) against the eager sequence (bincount, stable argsort, inverse scatter, one-hot
+  rank dedup, sum, nonzero) at 16k tokens × top-8 of 128 experts on 8 EP ranks;
+- permute and unpermute (forward and backward) GB/s against a device-to-device copy;
+- fused SwiGLU forward + backward against eager;
+- chunked linear cross-entropy time and peak memory against eager fp32 logits.
+
+Run: ``PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python3 tools/bench/bench_ops_moe.py``
+"""
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from mt_ops import linear_cross_entropy, permute, plan_dispatch, swiglu, unpermute
+from mt_ops.moe_permute import permute_reference, unpermute_reference
+
+
+def bench_ms(fn) -> float:
+    return do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def eager_plan(topk_ids_TK, num_experts, num_ranks):
+    ids = topk_ids_TK.reshape(-1)
+    counts = torch.bincount(ids, minlength=num_experts)
+    sorted_slot = torch.argsort(ids, stable=True)
+    row_of_slot = torch.empty_like(sorted_slot)
+    row_of_slot[sorted_slot] = torch.arange(ids.numel(), device=ids.device)
+    sorted_token = sorted_slot // topk_ids_TK.shape[1]
+    offsets = torch.cumsum(counts, 0)
+    rank = topk_ids_TK // (num_experts // num_ranks)
+    onehot = F.one_hot(rank, num_ranks).amax(1)  # [T, P] dedup
+    per_rank = onehot.sum(0)
+    send_idx = onehot.T.nonzero()  # tokens to send, per rank (host sync, like real code)
+    return counts, sorted_token, row_of_slot, offsets, per_rank, send_idx
+
+
+def planning(copy_gbs: float) -> None:
+    num_tokens, num_experts, topk, num_ranks = 16384, 128, 8, 8
+    scores = torch.rand(num_tokens, num_experts, device="cuda")
+    topk_ids = scores.topk(topk, dim=-1).indices
+    eager = bench_ms(lambda: eager_plan(topk_ids, num_experts, num_ranks))
+    ours = bench_ms(lambda: plan_dispatch(topk_ids, num_experts, num_ranks=num_ranks))
+    print(f"plan T={num_tokens} K={topk} E={num_experts} P={num_ranks}: eager {eager * 1e3:6.1f} us"
+          f" | ours {ours * 1e3:6.1f} us = {eager / ours:.1f}x")  # fmt: skip
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            plan_dispatch(topk_ids, num_experts, num_ranks=num_ranks)
+        torch.cuda.synchronize()
+    print(
+        prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=40)
+    )
+    plan = plan_dispatch(topk_ids, num_experts, num_ranks=num_ranks)
+    weights = torch.rand(num_tokens, topk, device="cuda", requires_grad=True)
+    x = torch.randn(num_tokens, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    routed_bytes = num_tokens * topk * 2048 * 2
+    token_bytes = num_tokens * 2048 * 2
+    y = torch.randn(num_tokens * topk, 2048, device="cuda", dtype=torch.bfloat16)
+    y.requires_grad_(True)
+    grad_routed = torch.randn_like(y)
+    grad_tokens = torch.randn(num_tokens, 2048, device="cuda", dtype=torch.bfloat16)
+
+    def reset():  # leaf gradients would otherwise accumulate: one more pass over R×D
+        x.grad = y.grad = weights.grad = None
+
+    cases = [
+        ("permute fwd", lambda f: f[0](x, plan), routed_bytes * 2),
+        ("permute fwd+bwd", lambda f: (reset(), f[0](x, plan).backward(grad_routed)),
+         routed_bytes * 2 + routed_bytes + token_bytes),
+        ("unpermute fwd", lambda f: f[1](y, plan, weights), routed_bytes + token_bytes),
+        ("unpermute fwd+bwd", lambda f: (reset(), f[1](y, plan, weights).backward(grad_tokens)),
+         routed_bytes + token_bytes + token_bytes + 2 * routed_bytes),
+    ]  # fmt: skip
+    for name, fn, nbytes in cases:
+        ours = bench_ms(lambda fn=fn: fn((permute, unpermute)))
+        ref = bench_ms(lambda fn=fn: fn((permute_reference, unpermute_reference)))
+        gbs = nbytes / ours / 1e6
+        print(f"{name:18s}: ours {ours * 1e3:7.1f} us {gbs:6.0f} GB/s = {gbs / copy_gbs:.2f}x copy"
+              f" | eager {ref * 1e3:7.1f} us ({ref / ours:.2f}x)")  # fmt: skip
+
+
+def swiglu_bench() -> None:
+    gate = torch.randn(131072, 768, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    up = torch.randn_like(gate, requires_grad=True)
+    grad = torch.randn_like(gate)
+    ours = bench_ms(lambda: swiglu(gate, up).backward(grad))
+    eager = bench_ms(lambda: (F.silu(gate) * up).backward(grad))
+    print(f"swiglu fwd+bwd [131072,768] bf16: ours {ours * 1e3:7.1f} us | eager "
+          f"{eager * 1e3:7.1f} us ({eager / ours:.2f}x)")  # fmt: skip
+
+
+def cross_entropy() -> None:
+    num_tokens, dim, vocab = 8192, 2048, 151936
+    hidden = torch.randn(num_tokens, dim, device="cuda", dtype=torch.bfloat16) * 0.5
+    hidden.requires_grad_(True)
+    weight = (torch.randn(vocab, dim, device="cuda") * dim**-0.5).bfloat16().requires_grad_(True)
+    labels = torch.randint(0, vocab, (num_tokens,), device="cuda")
+
+    def ours():
+        loss, count = linear_cross_entropy(hidden, weight, labels)
+        (loss / count).backward()
+
+    def eager():
+        logits = (hidden @ weight.T).float()
+        F.cross_entropy(logits, labels).backward()
+
+    results = {}
+    for name, fn in (("ours", ours), ("eager", eager)):
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+        results[name] = (bench_ms(fn), peak)
+    (t_ours, m_ours), (t_eager, m_eager) = results["ours"], results["eager"]
+    print(f"linear CE fwd+bwd T={num_tokens} V={vocab}: ours {t_ours:6.2f} ms peak +{m_ours:.2f} "
+          f"GiB | eager {t_eager:6.2f} ms peak +{m_eager:.2f} GiB ({t_eager / t_ours:.2f}x time, "
+          f"{m_eager / max(m_ours, 1e-9):.1f}x memory)")  # fmt: skip
+
+
+def main() -> None:
+    print(torch.cuda.get_device_name(), torch.__version__)
+    src = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    copy_gbs = 2 * src.numel() * 2 / bench_ms(lambda: dst.copy_(src)) / 1e6
+    print(f"copy bandwidth (read + write): {copy_gbs:.0f} GB/s")
+    for section in (lambda: planning(copy_gbs), swiglu_bench, cross_entropy):
+        try:
+            section()
+        except Exception as err:  # noqa: BLE001 - report and go on to the next section
+            print(f"FAILED: {type(err).__name__}: {err}"[:400])
+
+
+if __name__ == "__main__":
+    main()
