@@ -5,7 +5,8 @@ experts, K top-k, N token rows sent (one per (token, destination rank) pair), M 
 received, R routed rows on the expert side (one per (received row, local expert) pair).
 
 dispatch (on the token's rank):
-    1. For every token, the EP ranks that own at least one of its K experts. A token is
+    1. For every token, the EP ranks that own at least one of its K experts
+       (mt_ops.plan_dispatch with num_ranks). A token is
        sent once to each such rank, not once per expert (deduplication): N ≤ T·min(K, ep).
     2. all-to-all of the row counts, then of the rows, with their top-k ids and weights.
     3. On the expert rank: the received rows' choices of local experts are sorted by
@@ -118,13 +119,13 @@ class ExpertParallelDispatcher:
         """
         ids_TK, weights_TK = routed.topk_ids_TK, routed.topk_weights_TK
         assert ids_TK is not None and weights_TK is not None, "dispatch needs an MoE layer"
-        num_tokens, topk = ids_TK.shape
-        dest_TK = ids_TK // self.num_local  # EP rank owning each choice
-        visits_PT = torch.zeros(self.ep, num_tokens, dtype=torch.bool, device=ids_TK.device)
-        visits_PT.scatter_(0, dest_TK.T, True)  # [ep, T]: does token t go to rank p
+        num_tokens = ids_TK.shape[0]
+        # The deduplicated send mask and per-rank counts come from mt-ops's planning kernels.
+        source = plan_dispatch(ids_TK, self.num_experts, num_ranks=self.ep)
+        visits_PT = source.token_to_rank_TP.T  # [ep, T]: does token t go to rank p
         _, send_token_ids_N = visits_PT.nonzero(as_tuple=True)  # grouped by rank, then token
-        send_splits = visits_PT.sum(dim=1).tolist()
-        counts = torch.tensor(send_splits, dtype=torch.int64, device=ids_TK.device)
+        counts = source.tokens_per_rank_P.to(torch.int64)
+        send_splits = counts.tolist()
         recv_counts = torch.empty_like(counts)
         dist.all_to_all_single(recv_counts, counts, group=self.group)
         recv_splits = recv_counts.tolist()

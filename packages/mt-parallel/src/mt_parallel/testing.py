@@ -230,3 +230,52 @@ def check_many(cases: list[tuple[Any, list[dict[str, int]]]], **kwargs: Any) -> 
     for model_config, layouts in cases:
         for layout in layouts:
             compare_layout(model_config, layout, **kwargs)
+
+
+def check_dispatch_with_idle_rank(num_experts: int = 4, topk: int = 2, dim: int = 8) -> None:
+    """EP dispatch → experts → combine equals the local dispatcher when every token picks
+    experts of EP rank 0 only, so the other ranks receive zero tokens (a `spawn` target).
+
+    Each rank routes its own tokens; its outputs and the gradients of its tokens, top-k
+    weights and (its slice of) the expert weights must equal the local computation.
+    """
+    from mt_models import LocalDispatcher, Routed
+    from mt_ops import GroupedLinear
+    from mt_parallel.expert_parallel import ExpertParallelDispatcher
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_experts = num_experts // world
+    gen = torch.Generator().manual_seed(rank)
+    tokens = 5 + rank
+    hidden = torch.randn(tokens, dim, generator=gen)
+    ids = torch.stack([torch.randperm(local_experts, generator=gen)[:topk] for _ in range(tokens)])
+    weights = torch.rand(tokens, topk, generator=gen)
+    full = GroupedLinear(num_experts, dim, dim)
+    with torch.no_grad():
+        full.weight.copy_(torch.randn(num_experts, dim, dim, generator=torch.Generator()))
+    mine = GroupedLinear(local_experts, dim, dim)
+    with torch.no_grad():
+        mine.weight.copy_(full.weight[rank * local_experts : (rank + 1) * local_experts])
+
+    def run(dispatcher, experts):
+        h = hidden.clone().requires_grad_()
+        w = weights.clone().requires_grad_()
+        routed = Routed(hidden_TD=h, residual_TD=h, batch_shape=(1, tokens),
+                        topk_ids_TK=ids, topk_weights_TK=w)
+        rows, counts, handle = dispatcher.dispatch(routed)
+        out = dispatcher.combine(experts(rows, counts), handle)
+        out.square().sum().backward()
+        return out.detach(), h.grad, w.grad
+
+    ref_out, ref_h, ref_w = run(LocalDispatcher(num_experts), full)
+    out, grad_h, grad_w = run(ExpertParallelDispatcher(num_experts, dist.group.WORLD), mine)
+    for name, a, b in (("output", out, ref_out), ("hidden grad", grad_h, ref_h),
+                       ("weight grad", grad_w, ref_w)):
+        assert rel_err(a, b) <= 1e-6, f"rank {rank}: {name} differs by {rel_err(a, b):.2e}"
+    # Expert weights: rank 0's gradient collects every rank's tokens; the others none.
+    summed = full.weight.grad.clone()
+    dist.all_reduce(summed)
+    expected = summed[rank * local_experts : (rank + 1) * local_experts]
+    assert rel_err(mine.weight.grad, expected) <= 1e-6 or expected.norm() == 0
+    if rank > 0:
+        assert mine.weight.grad.norm() == 0, "an idle rank's experts must get zero gradient"
