@@ -48,6 +48,15 @@ def _configs():
     ]
 
 
+def _real_presets(layers: int):
+    return [
+        replace(qwen3_moe.qwen3_30b_a3b(), num_hidden_layers=layers),
+        replace(deepseek_v2.deepseek_v2_lite(), num_hidden_layers=layers),
+        replace(gpt_oss.gpt_oss_20b(), num_hidden_layers=layers,
+                layer_types=["sliding_attention", "full_attention"] * (layers // 2)),
+    ]
+
+
 def _train(nproc: int, run_dir: Path, overrides: list[str]) -> list[float]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", "-m", "mt_train", "pretrain", "debug",
@@ -62,6 +71,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="write results.json here")
     parser.add_argument("--skip-equivalence", action="store_true")
+    parser.add_argument("--skip-training", action="store_true")
+    parser.add_argument("--real-layers", type=int, default=0,
+                        help="also check the real presets cut to this many layers (even)")
     args = parser.parse_args()
     gpus = torch.cuda.device_count()
     sizes = [n for n in (2, 4, 8) if n <= gpus]
@@ -74,6 +86,15 @@ def main() -> int:
                   global_batch=2 * n, micro_batch=n, steps=3, seed=1)
             results["equivalence"][n] = "pass (fp32, loss and grads within 1e-5)"
             print(f"[equivalence] {n} GPUs, layouts {LAYOUTS[n]}: pass", flush=True)
+        for n in sizes if args.real_layers else []:
+            cases = [(cfg, LAYOUTS[n][:2]) for cfg in _real_presets(args.real_layers)]
+            spawn(check_many, n, cases, backend="nccl", device="cuda", seq_len=64,
+                  global_batch=2 * n, micro_batch=n, steps=2, seed=1)
+            results["equivalence"][f"{n}-real"] = "pass (fp32, loss and grads within 1e-5)"
+            print(f"[equivalence] {n} GPUs, real presets x{args.real_layers} layers, "
+                  f"layouts {LAYOUTS[n][:2]}: pass", flush=True)
+    if args.skip_training:
+        sizes = []
     with tempfile.TemporaryDirectory() as tmp:
         reference = _train(1, Path(tmp) / "one", [])
         print(f"[training] 1 GPU bf16 losses: {[round(x, 4) for x in reference]}", flush=True)

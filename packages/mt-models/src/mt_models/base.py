@@ -19,6 +19,8 @@ from torch import Tensor, nn
 
 from mt_models.accounting import FlopsAndParams
 from mt_models.layers.experts import GroupedExperts
+from mt_models.layers.linear import Embedding, Linear
+from mt_models.layers.norm import RMSNorm
 from mt_models.layers.router import (
     load_balancing_loss,
     router_z_loss,
@@ -129,6 +131,27 @@ class CausalLM(nn.Module):
     model: DecoderStack
     lm_head: nn.Linear | None
     router_stats_reducer: Callable[[RouterStats], RouterStats] | None = None
+
+    def __init__(self, config: Any, build_layer: Callable[[Any, int], nn.Module]):
+        """Assembles embedding, ``num_hidden_layers`` decoder layers, final norm and head.
+
+        Args:
+            config: The family config (``vocab_size``, ``hidden_size``, ``rms_norm_eps``,
+                ``num_hidden_layers``, ``tie_word_embeddings``, ...).
+            build_layer: The family's assembly of decoder layer ``i`` from shared layers.
+        """
+        super().__init__()
+        self.config = config
+        self.model = DecoderStack(
+            embed_tokens=Embedding(config.vocab_size, config.hidden_size),
+            layers=[build_layer(config, i) for i in range(config.num_hidden_layers)],
+            norm=RMSNorm(config.hidden_size, config.rms_norm_eps),
+        )
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
 
     @property
     def output_weight(self) -> Tensor:

@@ -12,14 +12,12 @@ MXFP4 ``_blocks``/``_scales``); canonical names split them per expert (``hf_io``
 
 from dataclasses import dataclass, field
 
-from mt_models.base import CausalLM, DecoderStack
+from mt_models.base import CausalLM
 from mt_models.configs import check_positive, check_rope, check_router_losses
 from mt_models.layers import (
     ClampedSwiGLUExperts,
     DecoderLayer,
-    Embedding,
     GQAAttention,
-    Linear,
     MoEBlock,
     RMSNorm,
     RotaryEmbedding,
@@ -242,15 +240,4 @@ class GptOssForCausalLM(CausalLM):
     """
 
     def __init__(self, config: GptOssConfig):
-        super().__init__()
-        self.config = config
-        self.model = DecoderStack(
-            embed_tokens=Embedding(config.vocab_size, config.hidden_size),
-            layers=[_build_layer(config, i) for i in range(config.num_hidden_layers)],
-            norm=RMSNorm(config.hidden_size, config.rms_norm_eps),
-        )
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
+        super().__init__(config, _build_layer)
