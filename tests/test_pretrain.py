@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from mt_data import default_corpus_dir
 from mt_train.checkpoint import checkpoint_root, list_checkpoints
 from mt_train.overrides import resolve_config
 from mt_train.recipes import get_recipe
@@ -36,15 +37,81 @@ def _metrics(run_dir):
 
 
 def test_pretrain_loss_falls_and_metrics_are_written(tmp_path):
-    state = pretrain(_cfg(tmp_path, "training.max_steps=40", "training.warmup_steps=5"))
+    # The validation corpus here is the training corpus: this checks the mechanism only.
+    validation = [f"validation.path={default_corpus_dir()}", "validation.interval=20"]
+    state = pretrain(_cfg(tmp_path, "training.max_steps=40", "training.warmup_steps=5",
+                          *validation))
     rows = _metrics(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, 41))
     for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "aux_loss"):
         assert all(isinstance(r[key], (int, float)) for r in rows), key
     first, last = sum(state.losses[:5]) / 5, sum(state.losses[-5:]) / 5
     assert last < first - 1.0, (first, last)
-    assert [c.step for c in list_checkpoints(checkpoint_root(tmp_path))] == [40]
+    val = {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
+    assert sorted(val) == [20, 40] and val[40] < val[20], val
+    checkpoints = list_checkpoints(checkpoint_root(tmp_path))
+    assert [c.step for c in checkpoints] == [40]
     assert (tmp_path / "config.json").is_file()
+    _check_generate(checkpoints[-1].path)
+    _check_export(checkpoints[-1].path, state.model, tmp_path / "hf")
+
+
+def _check_export(checkpoint, model, out):
+    import torch
+
+    from mt_models import load_hf
+    from mt_train.cli import main
+
+    assert main(["convert", "mt-to-hf", "--checkpoint", str(checkpoint), "--out", str(out)]) == 0
+    assert (out / "tokenizer.json").is_file(), "the run's tokenizer travels with the export"
+    exported = load_hf(out).canonical_parameters()
+    trained = model.canonical_parameters()
+    assert sorted(exported) == sorted(trained)
+    for key, param in trained.items():
+        assert exported[key].dtype == torch.float32 and torch.equal(exported[key], param), key
+
+
+def _check_generate(checkpoint):
+    from mt_train.generate import generate
+
+    greedy = generate(checkpoint, "def main(", max_new_tokens=8)
+    assert greedy.startswith("def main(") and len(greedy) > len("def main(")
+    # top-p so small that only the likeliest token survives: sampling equals greedy.
+    assert generate(checkpoint, "def main(", max_new_tokens=8, temperature=1.0,
+                    top_p=1e-9, seed=3) == greedy
+    assert generate(checkpoint, "def main(", max_new_tokens=0) == "def main("
+
+
+def test_tensorboard_gets_every_numeric_metric_and_the_profiler_traces_the_steps(
+    tmp_path, monkeypatch
+):
+    import types
+
+    written = []
+
+    class FakeWriter:  # stands in for torch.utils.tensorboard.SummaryWriter
+        def __init__(self, log_dir):
+            self.log_dir = log_dir
+
+        def add_scalar(self, key, value, step):
+            written.append((step, key, value))
+
+        def close(self):
+            written.append("closed")
+
+    fake = types.ModuleType("torch.utils.tensorboard")
+    fake.SummaryWriter = FakeWriter
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake)
+    pretrain(_cfg(tmp_path, "training.max_steps=3", "metrics.tensorboard=true",
+                  "profile.trace_steps=2,3"))
+    rows = _metrics(tmp_path)
+    assert written[-1] == "closed"
+    for row in rows:
+        assert (row["step"], "loss", row["loss"]) in written
+        assert (row["step"], "grad_norm", row["grad_norm"]) in written
+    # The same run asked for a profiler trace of steps 2..3.
+    trace = json.loads((tmp_path / "profile" / "trace_rank0_steps2-3.json").read_text())
+    assert any("aten::" in event.get("name", "") for event in trace["traceEvents"])
 
 
 def test_resumed_run_continues_from_its_last_step_bit_exactly(tmp_path, caplog):

@@ -81,7 +81,9 @@ class _Tensors:
     writes it once); loading fills a whole tensor and copies this rank's shard back.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, for_load: bool):
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, for_load: bool
+    ):
         self.writeback: list[tuple[DTensor, torch.Tensor]] = []
         self._for_load = for_load
         params = dict(model.named_parameters())
@@ -93,7 +95,7 @@ class _Tensors:
         }
         fqn_of = {param: name for name, param in params.items()}
         steps = []
-        for param, state in optimizer.state.items():
+        for param, state in (optimizer.state.items() if optimizer is not None else ()):
             if not state:
                 continue
             fqn = fqn_of[param]
@@ -168,17 +170,24 @@ def save_checkpoint(
         The new checkpoint.
     """
     root = Path(root)
-    final = root / f"step_{step:08d}"
     tmp = root / f".tmp-step_{step:08d}"
     if _is_main():
         root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        # Leftovers of saves that crashed: never resumed, so safe to delete.
+        for stale in (*root.glob(".tmp-step_*"), *root.glob(".old-step_*")):
+            shutil.rmtree(stale, ignore_errors=True)
     _barrier()
     tensors = _Tensors(model, optimizer, for_load=False).tensors
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(tensors, checkpoint_id=tmp)
+    return _finalize(root, step, train_state, keep_last)
+
+
+def _finalize(root: Path, step: int, train_state: dict[str, Any], keep_last: int) -> Checkpoint:
+    """After every rank's tensor files are in ``.tmp-step_N``: state file, rename, prune."""
+    final = root / f"step_{step:08d}"
+    tmp = root / f".tmp-step_{step:08d}"
     _barrier()  # every rank's files are written
     if _is_main():
         state = {"format_version": FORMAT_VERSION, "step": step, **train_state}
@@ -200,6 +209,63 @@ def save_checkpoint(
             shutil.rmtree(old.path)
     _barrier()
     return Checkpoint(path=final, step=step)
+
+
+class AsyncCheckpointer:
+    """Saves like `save_checkpoint`, but writes the files in a background thread.
+
+    `save` copies the tensors to CPU memory (the step's values, whatever the optimizer
+    does next) and returns; the files go to ``.tmp-step_N`` while training continues.
+    The rename that makes the checkpoint complete happens in `wait`, called by the next
+    `save` and at the end of the run, so a crash while writing leaves only a temporary
+    directory that is never resumed. Under torchrun the writer's collectives use their
+    own gloo group, apart from training's.
+
+    Args:
+        root: the checkpoints directory of the run.
+        keep_last: complete checkpoints to keep.
+    """
+
+    def __init__(self, root: str | Path, keep_last: int):
+        self.root = Path(root)
+        self.keep_last = keep_last
+        self._pending: tuple[Any, int, dict[str, Any]] | None = None
+        self._group = None
+
+    def save(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        train_state: dict[str, Any],
+    ) -> None:
+        """Stages a checkpoint of `step` and starts writing it (finishing any earlier one)."""
+        self.wait()
+        if dist.is_initialized() and self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        if _is_main():
+            self.root.mkdir(parents=True, exist_ok=True)
+            for stale in (*self.root.glob(".tmp-step_*"), *self.root.glob(".old-step_*")):
+                shutil.rmtree(stale, ignore_errors=True)
+        _barrier()
+        tensors = _Tensors(model, optimizer, for_load=False).tensors
+        tmp = self.root / f".tmp-step_{step:08d}"
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            future = dcp.async_save(
+                tensors, checkpoint_id=tmp, process_group=self._group,
+                no_dist=not dist.is_initialized(),
+            )
+        self._pending = (future, step, train_state)
+
+    def wait(self) -> Checkpoint | None:
+        """Finishes the pending save, if any; returns the checkpoint it completed."""
+        if self._pending is None:
+            return None
+        future, step, train_state = self._pending
+        self._pending = None
+        future.result()
+        return _finalize(self.root, step, train_state, self.keep_last)
 
 
 def load_checkpoint(
@@ -240,3 +306,32 @@ def load_checkpoint(
     if "rng/cuda" in tensors:
         torch.cuda.set_rng_state(tensors["rng/cuda"])
     return checkpoint.train_state()
+
+
+def load_model_weights(model: nn.Module, canonical: dict[str, torch.Tensor], source: str) -> None:
+    """Copies whole canonical tensors (Hub keys) into the model, sharded or not.
+
+    Args:
+        model: the model to fill (its dtype wins; values are cast).
+        canonical: Hub key → whole tensor, for every parameter of the model.
+        source: where the tensors came from, for error messages.
+    """
+    loaded = _Tensors(model, None, for_load=True)
+    targets = {
+        k.removeprefix("model/"): v for k, v in loaded.tensors.items() if k.startswith("model/")
+    }
+    missing = sorted(set(targets) - set(canonical))
+    if missing:
+        raise ValueError(
+            f"{source} lacks {len(missing)} parameter(s) of the model, e.g. {missing[:3]}; "
+            "choose a recipe or model.* overrides that match the source's architecture"
+        )
+    with torch.no_grad():
+        for key, target in targets.items():
+            if tuple(canonical[key].shape) != tuple(target.shape):
+                raise ValueError(
+                    f"{key}: {source} has shape {tuple(canonical[key].shape)} but the model "
+                    f"has {tuple(target.shape)}; choose model.* overrides that match the source"
+                )
+            target.copy_(canonical[key])
+    loaded.write_back()

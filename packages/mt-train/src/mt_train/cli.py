@@ -1,6 +1,9 @@
 """The `mt-train` command line.
 
     mt-train pretrain [RECIPE] [--config FILE.toml] [KEY=VALUE ...] [--print-config]
+    mt-train convert hf-to-mt --hf DIR --out DIR
+    mt-train convert mt-to-hf --checkpoint DIR --out DIR [--max-shard-size 5GB]
+    mt-train generate --checkpoint DIR --prompt TEXT [--max-new-tokens N] [--temperature T]
 
 `python -m mt_train ...` is the same program.
 """
@@ -59,7 +62,85 @@ def build_parser() -> argparse.ArgumentParser:
     pretrain.add_argument(
         "--print-config", action="store_true", help="print the resolved config and exit"
     )
+    convert = sub.add_parser(
+        "convert",
+        help="convert between Hugging Face directories and mt checkpoints",
+        description="Convert weights between a Hugging Face directory (config.json + "
+        "safetensors) and an mt checkpoint (PyTorch DCP, Hub keys).",
+    )
+    direction = convert.add_subparsers(dest="direction", required=True, metavar="DIRECTION")
+    hf_to_mt = direction.add_parser(
+        "hf-to-mt", help="Hugging Face directory -> model-only mt checkpoint (for init_from)"
+    )
+    hf_to_mt.add_argument("--hf", required=True, metavar="DIR", help="Hugging Face directory")
+    hf_to_mt.add_argument("--out", required=True, metavar="DIR", help="checkpoint to write")
+    mt_to_hf = direction.add_parser(
+        "mt-to-hf", help="mt checkpoint (a run's step_N or hf-to-mt output) -> Hugging Face"
+    )
+    mt_to_hf.add_argument("--checkpoint", required=True, metavar="DIR", help="mt checkpoint")
+    mt_to_hf.add_argument("--out", required=True, metavar="DIR", help="directory to write")
+    mt_to_hf.add_argument(
+        "--max-shard-size", default="5GB", metavar="SIZE",
+        help="largest safetensors shard, e.g. 5GB, 500MB, 2GiB (default 5GB)",
+    )
+    gen = sub.add_parser(
+        "generate",
+        help="sample text from a checkpoint",
+        description="Continue a prompt with a checkpoint's model (greedy by default; "
+        "--temperature > 0 samples with top-p).",
+    )
+    gen.add_argument("--checkpoint", required=True, metavar="DIR", help="mt checkpoint")
+    gen.add_argument("--prompt", required=True, metavar="TEXT", help="text to continue")
+    gen.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    gen.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                     help="0 (default) decodes greedily")
+    gen.add_argument("--top-p", type=float, default=0.9, metavar="P")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--device", default="cpu", help="cpu or cuda")
     return parser
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from mt_train.generate import generate
+
+    try:
+        text = generate(
+            args.checkpoint, args.prompt, max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature, top_p=args.top_p, seed=args.seed, device=args.device,
+        )
+    except ValueError as err:
+        print(f"mt-train: error: {err}", file=sys.stderr)
+        return 2
+    print(text)
+    return 0
+
+
+def _collective_timeout_hint(err: BaseException) -> str | None:
+    """A clear message for a collective that timed out (a hung or dead rank), else None."""
+    text = str(err)
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        return (
+            f"waiting for the other ranks timed out ({text.splitlines()[0][:200]}): some "
+            "rank never joined or stopped answering (crashed, hung, or much slower). Check "
+            "every rank's log for the first error; parallel.timeout_s sets how long ranks "
+            "wait"
+        )
+    return None
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from mt_train.convert import hf_to_mt, mt_to_hf, parse_size
+
+    try:
+        if args.direction == "hf-to-mt":
+            out = hf_to_mt(args.hf, args.out)
+        else:
+            out = mt_to_hf(args.checkpoint, args.out, parse_size(args.max_shard_size))
+    except ValueError as err:
+        print(f"mt-train: error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
 
 
 def _configure_logging() -> None:
@@ -80,8 +161,14 @@ def main(argv: list[str] | None = None) -> int:
     unknown_options = [r for r in rest if r.startswith("-")]
     if unknown_options:
         parser.error(f"unrecognized arguments: {' '.join(unknown_options)}")
+    if args.command != "pretrain" and rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.args = list(getattr(args, "args", [])) + rest
     _configure_logging()
+    if args.command == "convert":
+        return _convert(args)
+    if args.command == "generate":
+        return _generate(args)
     from mt_train.overrides import resolve_config
     from mt_train.recipes import get_recipe
 
@@ -103,13 +190,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
-    from mt_train.train import pretrain
+    from mt_train.train import NonFiniteError, pretrain
 
     try:
         pretrain(cfg)
     except ValueError as err:
         print(f"mt-train: error: {err}", file=sys.stderr)
         return 2
+    except NonFiniteError as err:
+        print(f"mt-train: error: {err}", file=sys.stderr)
+        return 1
+    except RuntimeError as err:
+        hint = _collective_timeout_hint(err)
+        if hint is None:
+            raise
+        print(f"mt-train: error: {hint}", file=sys.stderr)
+        return 1
     return 0
 
 

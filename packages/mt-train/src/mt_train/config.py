@@ -63,6 +63,10 @@ class TrainingConfig:
         device: "auto", "cpu" or "cuda".
         num_threads: CPU threads for intra-op parallelism (0 leaves PyTorch's
             default); fix it for bit-exact resume on CPU.
+        on_nonfinite: what a non-finite loss or gradient norm (on any rank) does, checked
+            before the optimizer step: "skip" drops the step's update and counts it
+            (`skipped_steps` in the metrics); "stop" ends the run with an error and keeps
+            the last good checkpoint as the newest.
     """
 
     max_steps: int = 100
@@ -79,8 +83,13 @@ class TrainingConfig:
     dtype: str = "auto"
     device: str = "auto"
     num_threads: int = 0
+    on_nonfinite: str = "skip"
 
     def __post_init__(self) -> None:
+        if self.on_nonfinite not in ("skip", "stop"):
+            raise ValueError(
+                f"training.on_nonfinite ({self.on_nonfinite!r}) must be 'skip' or 'stop'"
+            )
         if self.max_steps < 1:
             raise ValueError(f"training.max_steps ({self.max_steps}) must be >= 1")
         if self.micro_batch_size < 1 or self.global_batch_size < 1:
@@ -119,11 +128,15 @@ class CheckpointConfig:
         interval: save every this many steps (0: only at the end of the run).
         keep_last: complete checkpoints to keep (older ones are deleted).
         resume: resume from the newest complete checkpoint in the run directory.
+        async_save: write checkpoints in a background thread while training goes on
+            (the tensors are copied to CPU memory first; the checkpoint becomes complete,
+            renamed into place, at the next save or at the end of the run).
     """
 
     interval: int = 0
     keep_last: int = 2
     resume: bool = True
+    async_save: bool = False
 
     def __post_init__(self) -> None:
         if self.interval < 0 or self.keep_last < 1:
@@ -131,6 +144,79 @@ class CheckpointConfig:
                 f"checkpoint.interval ({self.interval}) must be >= 0 and "
                 f"checkpoint.keep_last ({self.keep_last}) >= 1"
             )
+
+
+@dataclass
+class ValidationConfig:
+    """Loss on held-out data every few steps.
+
+    The held-out data is a separate corpus directory (build it with `mt-data build` from
+    documents kept out of training): a slice of the training corpus is not used, because
+    packed samples span document boundaries and the shuffled loader would still visit it.
+
+    Attributes:
+        path: a corpus directory; empty disables validation.
+        interval: evaluate every this many steps (and after the last); 0 disables it.
+        steps: global batches (of `training.global_batch_size` sequences) per
+            evaluation; the same batches every time, so values are comparable.
+    """
+
+    path: str = ""
+    interval: int = 0
+    steps: int = 1
+
+    def __post_init__(self) -> None:
+        if self.interval < 0 or self.steps < 1:
+            raise ValueError(
+                f"validation.interval ({self.interval}) must be >= 0 and validation.steps "
+                f"({self.steps}) >= 1"
+            )
+        if self.interval and not self.path:
+            raise ValueError(
+                f"validation.interval ({self.interval}) needs validation.path, a held-out "
+                "corpus directory (mt-data build); set it or validation.interval=0"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        """True when validation runs."""
+        return bool(self.interval and self.path)
+
+
+@dataclass
+class MetricsConfig:
+    """Where metrics go besides the console and ``<run_dir>/metrics.jsonl``.
+
+    Attributes:
+        tensorboard: also write TensorBoard event files to ``<run_dir>/tensorboard``
+            (needs ``pip install mt-train[tensorboard]``).
+        wandb_project: also log to this Weights & Biases project; empty disables it
+            (needs ``pip install mt-train[wandb]``).
+    """
+
+    tensorboard: bool = False
+    wandb_project: str = ""
+
+
+@dataclass
+class ProfileConfig:
+    """Profiling (files under ``<run_dir>/profile/``, see `mt_train.profiling`).
+
+    Attributes:
+        trace_steps: "a,b" writes a PyTorch profiler trace of steps a..b; "" for none.
+        memory_snapshot: record CUDA allocations and dump a snapshot after the traced
+            steps (or at the end of the run).
+        nvtx: an NVTX range around every step, for Nsight Systems.
+    """
+
+    trace_steps: str = ""
+    memory_snapshot: bool = False
+    nvtx: bool = False
+
+    def __post_init__(self) -> None:
+        from mt_train.profiling import parse_trace_steps
+
+        parse_trace_steps(self.trace_steps)
 
 
 @dataclass
@@ -172,16 +258,25 @@ class JobConfig:
         run_dir: where metrics, checkpoints and the resolved config go.
         seed: seeds weight initialization and data shuffling.
         log_every: print a console line every this many steps.
+        init_from: start a new run from these weights: a Hugging Face directory
+            (config.json + safetensors) or an mt checkpoint (a ``step_N`` directory or
+            one written by ``mt-train convert hf-to-mt``). Model weights only; the
+            optimizer starts fresh and the model config must match the source's.
+            Ignored when the run directory has a checkpoint to resume.
     """
 
     model: Any
     run_dir: str = "runs/debug"
     seed: int = 0
     log_every: int = 1
+    init_from: str = ""
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     def __post_init__(self) -> None:
         if family_of(self.model) is None:
@@ -210,6 +305,10 @@ class JobConfig:
             training=_build(TrainingConfig, data.pop("training")),
             checkpoint=_build(CheckpointConfig, data.pop("checkpoint")),
             parallel=_build(ParallelConfig, data.pop("parallel")),
+            # Absent from checkpoints written before these sections existed.
+            validation=_build(ValidationConfig, data.pop("validation", {})),
+            metrics=_build(MetricsConfig, data.pop("metrics", {})),
+            profile=_build(ProfileConfig, data.pop("profile", {})),
             **data,
         )
 

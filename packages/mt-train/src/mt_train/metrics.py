@@ -1,4 +1,5 @@
-"""Per-step metrics: one console line with a progress bar, and ``metrics.jsonl``.
+"""Per-step metrics: one console line with a progress bar, ``metrics.jsonl``, and
+optionally TensorBoard (``mt-train[tensorboard]``) and Weights & Biases (``mt-train[wandb]``).
 
 Peak FLOP/s used for MFU: the measured dense BF16 matmul rate of an H200 (794 TFLOP/s,
 ARCHITECTURE.md §8) and the vendor's spec (989 TFLOP/s); no MFU is reported on CPU.
@@ -41,6 +42,7 @@ class MetricsLogger:
             interrupted earlier run are dropped, so the file has one line per step.
         log_every: print a console line every this many steps (always the last).
         stream: where console lines go.
+        sinks: more writers with ``log(metrics)`` and ``close()`` (see `build_sinks`).
     """
 
     def __init__(
@@ -50,12 +52,14 @@ class MetricsLogger:
         start_step: int = 0,
         log_every: int = 1,
         stream: TextIO | None = None,
+        sinks: list[Any] | None = None,
     ):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.max_steps = max_steps
         self.start_step = start_step
         self.log_every = log_every
         self.stream = stream or sys.stdout
+        self.sinks = list(sinks or [])
         self._start_time = time.perf_counter()
         self._truncate_after(start_step)
         self._file = open(self.path, "a")  # noqa: SIM115 (closed by close())
@@ -78,6 +82,8 @@ class MetricsLogger:
         """Records one step's metrics (must contain `step`)."""
         self._file.write(json.dumps(metrics) + "\n")
         self._file.flush()
+        for sink in self.sinks:
+            sink.log(metrics)
         step = metrics["step"]
         if step % self.log_every == 0 or step == self.max_steps:
             print(self._console_line(metrics), file=self.stream, flush=True)
@@ -99,6 +105,8 @@ class MetricsLogger:
             f"gnorm {m['grad_norm']:.3f}",
             f"{m['tokens_per_s']:,.0f} tok/s",
         ]
+        if m.get("val_loss") is not None:
+            parts.insert(2, f"val {m['val_loss']:.4f}")
         if m.get("mfu") is not None:
             parts.append(f"mfu {m['mfu']:.1%}")
         if m.get("peak_memory_gb") is not None:
@@ -107,5 +115,85 @@ class MetricsLogger:
         return " | ".join(parts)
 
     def close(self) -> None:
-        """Closes the metrics file."""
+        """Closes the metrics file and the sinks."""
         self._file.close()
+        for sink in self.sinks:
+            sink.close()
+
+
+def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
+    return {
+        k: float(v) for k, v in metrics.items()
+        if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
+
+
+class TensorBoardSink:
+    """Writes every numeric metric as a scalar under ``<run_dir>/tensorboard``."""
+
+    def __init__(self, run_dir: str | Path):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as err:
+            raise ValueError(
+                "metrics.tensorboard=true needs the tensorboard package; "
+                "pip install 'mt-train[tensorboard]' or set metrics.tensorboard=false"
+            ) from err
+        self._writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        """Adds one step's scalars."""
+        for key, value in _scalars(metrics).items():
+            self._writer.add_scalar(key, value, metrics["step"])
+
+    def close(self) -> None:
+        """Flushes and closes the event file."""
+        self._writer.close()
+
+
+class WandbSink:
+    """Logs every numeric metric to a Weights & Biases run (resumed by run directory)."""
+
+    def __init__(self, project: str, run_dir: str | Path, config: dict[str, Any]):
+        try:
+            import wandb
+        except ImportError as err:
+            raise ValueError(
+                f"metrics.wandb_project={project!r} needs the wandb package; "
+                "pip install 'mt-train[wandb]' or set metrics.wandb_project=''"
+            ) from err
+        self._wandb = wandb
+        self._run = wandb.init(
+            project=project, dir=str(run_dir), config=config,
+            name=Path(run_dir).resolve().name, resume="allow",
+        )
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        """Logs one step's scalars."""
+        self._run.log(_scalars(metrics), step=metrics["step"])
+
+    def close(self) -> None:
+        """Finishes the run."""
+        self._run.finish()
+
+
+def build_sinks(
+    run_dir: str | Path, tensorboard: bool, wandb_project: str, config: dict[str, Any]
+) -> list[Any]:
+    """Returns the optional metric writers a run asked for.
+
+    Args:
+        run_dir: the run directory.
+        tensorboard: write TensorBoard event files.
+        wandb_project: a Weights & Biases project, or "" for none.
+        config: the resolved config, recorded by W&B.
+
+    Returns:
+        The sinks, for `MetricsLogger(sinks=...)`.
+    """
+    sinks: list[Any] = []
+    if tensorboard:
+        sinks.append(TensorBoardSink(run_dir))
+    if wandb_project:
+        sinks.append(WandbSink(wandb_project, run_dir, config))
+    return sinks

@@ -73,11 +73,57 @@ def qwen3_30b_a3b() -> JobConfig:
     )
 
 
+def deepseek_v2_lite() -> JobConfig:
+    """DeepSeek-V2-Lite (15.7B, 64 experts top-6 + 2 shared, MLA) at sequence length 4096.
+
+    The peak LR 4.2e-4, AdamW betas (0.9, 0.95), weight decay 0.1 and clipping at 1.0 are
+    the DeepSeek-V2 paper's for the Lite model (arXiv 2405.04434, Appendix B); the batch
+    (128 sequences) and step count are a continued-pretraining run, not the paper's 5.7T
+    tokens.
+    """
+    return JobConfig(
+        model=deepseek_v2.deepseek_v2_lite(),
+        run_dir="runs/deepseek-v2-lite",
+        data=DataConfig(seq_len=4096),
+        training=TrainingConfig(
+            max_steps=1000,
+            global_batch_size=128,
+            micro_batch_size=1,
+            lr=4.2e-4,
+            warmup_steps=100,
+        ),
+        checkpoint=CheckpointConfig(interval=500),
+    )
+
+
+def gpt_oss_20b() -> JobConfig:
+    """GPT-OSS-20B (21B, 32 experts top-4, sinks, alternating 128-token windows) at 4096.
+
+    OpenAI did not publish training hyper-parameters; these are a conservative
+    continued-pretraining setting (peak LR 1e-4, the AdamW defaults of the other recipes).
+    """
+    return JobConfig(
+        model=gpt_oss.gpt_oss_20b(),
+        run_dir="runs/gpt-oss-20b",
+        data=DataConfig(seq_len=4096),
+        training=TrainingConfig(
+            max_steps=1000,
+            global_batch_size=128,
+            micro_batch_size=1,
+            lr=1e-4,
+            warmup_steps=100,
+        ),
+        checkpoint=CheckpointConfig(interval=500),
+    )
+
+
 RECIPES: dict[str, Callable[[], JobConfig]] = {
     "debug": debug,
     "debug-deepseek-v2": debug_deepseek_v2,
     "debug-gpt-oss": debug_gpt_oss,
     "qwen3-30b-a3b": qwen3_30b_a3b,
+    "deepseek-v2-lite": deepseek_v2_lite,
+    "gpt-oss-20b": gpt_oss_20b,
 }
 
 

@@ -14,7 +14,6 @@ import logging
 import math
 import os
 import resource
-import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,17 +34,25 @@ from mt_parallel import (
     zigzag_ranges,
 )
 from mt_parallel.context_parallel import split_sample
-from mt_train.checkpoint import checkpoint_root, latest_checkpoint, load_checkpoint, save_checkpoint
+from mt_train.checkpoint import (
+    AsyncCheckpointer,
+    checkpoint_root,
+    latest_checkpoint,
+    load_checkpoint,
+    load_model_weights,
+    save_checkpoint,
+)
 from mt_train.config import JobConfig
+from mt_train.convert import read_init_weights
 from mt_train.distributed import Env, all_reduce, barrier, init_distributed
-from mt_train.metrics import MetricsLogger, peak_flops
+from mt_train.faults import NonFiniteError, agree_to_stop, stop_on_signals, write_exit_file
+from mt_train.metrics import MetricsLogger, build_sinks, peak_flops
 from mt_train.optim import build_optimizer, lr_at, set_lr
 from mt_train.overrides import flatten
+from mt_train.profiling import StepProfiler, parse_trace_steps
 
 log = logging.getLogger("mt_train")
 IGNORE_INDEX = -100
-
-
 @dataclass
 class TrainState:
     """Everything the loop owns: config, model, optimizer, data, layout and counters."""
@@ -58,6 +65,8 @@ class TrainState:
     dims: ParallelDims
     mesh: ParallelMesh | None
     autocast_dtype: torch.dtype | None
+    val_dataset: TokenDataset | None = None
+    val_start: dict[str, Any] | None = None
     step: int = 0
     skipped_steps: int = 0
     stop_requested: bool = False
@@ -133,15 +142,23 @@ def setup(cfg: JobConfig) -> TrainState:
         model.to_empty(device=env.device)
         model.init_weights(cfg.seed)
     optimizer = build_optimizer(model, cfg.training)
-    state = TrainState(cfg, model, optimizer, dataset, env, dims, mesh, autocast_dtype)
+    val_dataset = None
+    if cfg.validation.enabled:
+        val_dataset = TokenDataset(cfg.validation.path, cfg.data.seq_len, seed=cfg.seed)
+    state = TrainState(
+        cfg, model, optimizer, dataset, env, dims, mesh, autocast_dtype, val_dataset,
+        val_dataset.state_dict() if val_dataset is not None else None,
+    )
     run_dir = Path(cfg.run_dir)
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
     barrier()
-    if cfg.checkpoint.resume:
-        checkpoint = latest_checkpoint(checkpoint_root(run_dir))
-        if checkpoint is not None:
-            _resume(state, checkpoint)
+    checkpoint = latest_checkpoint(checkpoint_root(run_dir)) if cfg.checkpoint.resume else None
+    if checkpoint is not None:
+        _resume(state, checkpoint)
+    elif cfg.init_from:
+        load_model_weights(model, read_init_weights(cfg.init_from), cfg.init_from)
+        log.info("initialized the model from %s (fresh optimizer)", cfg.init_from)
     if env.is_main:
         _write_json_atomic(run_dir / "config.json", cfg.to_dict())
     return state
@@ -189,7 +206,9 @@ def _peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def next_microbatches(state: TrainState) -> list[MicroBatch]:
+def next_microbatches(
+    state: TrainState, dataset: TokenDataset | None = None
+) -> list[MicroBatch]:
     """Reads this rank's share of the next global batch, micro-batch by micro-batch.
 
     Each micro-batch holds `training.micro_batch_size` sequences over all dp·ep batch
@@ -197,18 +216,20 @@ def next_microbatches(state: TrainState) -> list[MicroBatch]:
 
     Args:
         state: the loop state (the data loader advances).
+        dataset: the loader to read (default: the training data).
 
     Returns:
         The micro-batches, on this rank's device.
     """
     cfg, dims = state.cfg, state.dims
+    dataset = dataset if dataset is not None else state.dataset
     micro = cfg.training.micro_batch_size
     batch_rank = state.mesh.batch_rank if state.mesh else 0
     cp_rank = state.mesh.rank("cp") if state.mesh else 0
     ranges = zigzag_ranges(cfg.data.seq_len, dims.cp, cp_rank) if dims.cp > 1 else None
     microbatches = []
     for _ in range(cfg.training.global_batch_size // micro):
-        rows = state.dataset.take(
+        rows = dataset.take(
             micro, rank=batch_rank, world_size=dims.batch_ranks, token_ranges=ranges
         )
         tokens = torch.from_numpy(rows).to(state.device, non_blocking=True)
@@ -251,8 +272,15 @@ def train_step(state: TrainState, microbatches: list[MicroBatch]) -> dict[str, A
     grad_norm = clip_grad_norm(state.model.parameters(), max_norm, group)
     ce_sum = all_reduce(result.ce_sum.to(state.device))
     loss = float(ce_sum) / global_num_tokens
+    # loss and grad_norm are global (all-reduced), so every rank takes the same branch.
     if math.isfinite(loss) and math.isfinite(grad_norm):
         state.optimizer.step()
+    elif cfg.training.on_nonfinite == "stop":
+        state.optimizer.zero_grad(set_to_none=True)
+        raise NonFiniteError(
+            f"step {step}: the loss ({loss}) or gradient norm ({grad_norm}) is not finite; "
+            "training.on_nonfinite='stop' ended the run without saving"
+        )
     else:
         state.skipped_steps += 1
         log.warning("step %d: non-finite loss (%s) or grad norm (%s); step skipped",
@@ -289,40 +317,63 @@ def train_step(state: TrainState, microbatches: list[MicroBatch]) -> dict[str, A
     }
 
 
-def _save(state: TrainState) -> None:
+def validate(state: TrainState) -> float:
+    """Mean token loss on `validation.steps` held-out global batches (no gradients).
+
+    The held-out loader restarts every time, so each evaluation sees the same batches.
+
+    Args:
+        state: the loop state (with `val_dataset`).
+
+    Returns:
+        Summed cross-entropy over all ranks divided by the labelled tokens.
+    """
+    assert state.val_dataset is not None, "validation is not configured"
+    state.val_dataset.load_state_dict(state.val_start)
+    ce_sum = torch.zeros((), dtype=torch.float64, device=state.device)
+    num_tokens = torch.zeros((), dtype=torch.int64, device=state.device)
+    autocast = (
+        torch.autocast(state.device.type, dtype=state.autocast_dtype)
+        if state.autocast_dtype is not None
+        else contextlib.nullcontext()
+    )
+    was_training = state.model.training
+    state.model.eval()
+    with torch.no_grad(), autocast:
+        for _ in range(state.cfg.validation.steps):
+            for mb in next_microbatches(state, state.val_dataset):
+                kwargs = {} if mb.positions is None else {"position_ids": mb.positions}
+                out = state.model.loss(mb.input_ids, mb.labels, ignore_index=IGNORE_INDEX,
+                                       **kwargs)
+                ce_sum += out.ce_sum.double()
+                num_tokens += out.num_tokens
+    state.model.train(was_training)
+    return float(all_reduce(ce_sum)) / max(int(all_reduce(num_tokens)), 1)
+
+
+def _save(state: TrainState, writer: AsyncCheckpointer | None) -> None:
     cfg = state.cfg
+    train_state = {
+        "data": state.dataset.state_dict(),
+        "skipped_steps": state.skipped_steps,
+        "config": cfg.to_dict(),
+    }
+    root = checkpoint_root(cfg.run_dir)
+    if writer is not None:
+        writer.save(state.step, state.model, state.optimizer, train_state)
+        log.info("saving checkpoint of step %d in the background", state.step)
+        return
     checkpoint = save_checkpoint(
-        checkpoint_root(cfg.run_dir),
-        state.step,
-        state.model,
-        state.optimizer,
-        {
-            "data": state.dataset.state_dict(),
-            "skipped_steps": state.skipped_steps,
-            "config": cfg.to_dict(),
-        },
+        root, state.step, state.model, state.optimizer, train_state,
         keep_last=cfg.checkpoint.keep_last,
     )
     log.info("saved checkpoint %s", checkpoint.path)
 
 
-@contextlib.contextmanager
-def _stop_on_signals(state: TrainState):
-    """SIGTERM/SIGINT ask the loop to save and stop at the next step boundary."""
-
-    def request_stop(signum, frame):
-        if state.stop_requested:  # a second signal: give up at once
-            raise KeyboardInterrupt
-        state.stop_requested = True
-        log.warning("received %s; saving a checkpoint after this step",
-                    signal.Signals(signum).name)
-
-    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+def _finish_pending_save(writer: AsyncCheckpointer | None) -> None:
+    checkpoint = writer.wait() if writer is not None else None
+    if checkpoint is not None:
+        log.info("saved checkpoint %s", checkpoint.path)
 
 
 def pretrain(cfg: JobConfig, *, stream: TextIO | None = None) -> TrainState:
@@ -343,14 +394,23 @@ def pretrain(cfg: JobConfig, *, stream: TextIO | None = None) -> TrainState:
             "Raise training.max_steps to continue it.", cfg.run_dir, state.step, max_steps,
         )
         return state
-    metrics = (
-        MetricsLogger(cfg.run_dir, max_steps, state.step, cfg.log_every, stream)
-        if state.env.is_main
+    metrics = None
+    if state.env.is_main:
+        sinks = build_sinks(
+            cfg.run_dir, cfg.metrics.tensorboard, cfg.metrics.wandb_project, cfg.to_dict()
+        )
+        metrics = MetricsLogger(cfg.run_dir, max_steps, state.step, cfg.log_every, stream, sinks)
+    last_saved = state.step
+    prof = cfg.profile
+    profiler = StepProfiler(cfg.run_dir, state.env.rank, parse_trace_steps(prof.trace_steps),
+                            prof.memory_snapshot, prof.nvtx)
+    writer = (
+        AsyncCheckpointer(checkpoint_root(cfg.run_dir), cfg.checkpoint.keep_last)
+        if cfg.checkpoint.async_save
         else None
     )
-    last_saved = state.step
     try:
-        with _stop_on_signals(state):
+        with stop_on_signals(state):
             while state.step < max_steps and not state.stop_requested:
                 try:
                     microbatches = next_microbatches(state)
@@ -358,23 +418,35 @@ def pretrain(cfg: JobConfig, *, stream: TextIO | None = None) -> TrainState:
                     log.warning("the data ran out at step %d (data.on_exhausted='stop')",
                                 state.step)
                     break
-                step_metrics = train_step(state, microbatches)
+                with profiler.step(state.step + 1):
+                    try:
+                        step_metrics = train_step(state, microbatches)
+                    except NonFiniteError as err:
+                        _finish_pending_save(writer)  # the last good state is complete
+                        last = latest_checkpoint(checkpoint_root(cfg.run_dir))
+                        kept = (f"the newest checkpoint is {last.path} (step {last.step})"
+                                if last else "there is no checkpoint yet")
+                        raise NonFiniteError(
+                            f"{err}, so {kept}. Rerun to resume from it (perhaps with a "
+                            "lower training.lr), or set training.on_nonfinite=skip to drop "
+                            "such steps"
+                        ) from None
+                val = cfg.validation
+                if val.enabled and (state.step % val.interval == 0 or state.step == max_steps):
+                    step_metrics["val_loss"] = validate(state)
                 if metrics is not None:
                     metrics.log(step_metrics)
-                state.stop_requested = _agree_to_stop(state)
+                state.stop_requested = agree_to_stop(state)
                 interval = cfg.checkpoint.interval
                 if interval and state.step % interval == 0:
-                    _save(state)
+                    _save(state, writer)
                     last_saved = state.step
         if state.step != last_saved:
-            _save(state)
+            _save(state, writer)
+        _finish_pending_save(writer)
+        write_exit_file(state)
     finally:
+        profiler.close()
         if metrics is not None:
             metrics.close()
     return state
-
-
-def _agree_to_stop(state: TrainState) -> bool:
-    """All ranks stop at the same step boundary if any of them received a signal."""
-    flag = torch.tensor(int(state.stop_requested), device=state.device)
-    return bool(all_reduce(flag, op="max"))

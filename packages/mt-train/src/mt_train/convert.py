@@ -1,0 +1,243 @@
+"""Conversion between Hugging Face directories and mt checkpoints, and `init_from`.
+
+    mt-train convert hf-to-mt --hf DIR --out DIR
+    mt-train convert mt-to-hf --checkpoint DIR --out DIR [--max-shard-size 5GB]
+
+An mt checkpoint written by ``hf-to-mt`` is a DCP directory like a training checkpoint
+but model-only: ``model/<hub key>`` tensors in the source's dtype and a
+``train_state.json`` whose ``config`` holds only ``model_family`` and ``model``. The loop
+starts from it (or from the Hugging Face directory itself) with ``init_from=DIR``; it is
+not a checkpoint to resume (no optimizer or data state). ``mt-to-hf`` accepts either kind
+and writes the tensors in their stored dtype (FP32 for a training checkpoint).
+Conversion goes through `mt_models.load_hf` / `save_hf`, so keys and GPT-OSS's stacked
+expert layout are theirs; MXFP4 originals come back dequantized.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from mt_data import default_tokenizer_path
+from mt_models import MODEL_FAMILIES, load_hf, save_hf
+from mt_train.checkpoint import FORMAT_VERSION
+
+# Files next to the weights that travel with a conversion when present.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+    "chat_template.jinja",
+)
+_STATE_FILE = "train_state.json"
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+
+
+def parse_size(text: str) -> int:
+    """Parses a byte size like ``5GB`` (10^9, as Hugging Face counts), ``500MiB`` or ``1000``.
+
+    Args:
+        text: a number with an optional unit B, KB, MB, GB, TB, KiB, MiB, GiB, TiB.
+
+    Returns:
+        The size in bytes.
+    """
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError(f"--max-shard-size ({text!r}) must look like 5GB, 500MB or 2GiB")
+    unit = (match.group(2) or "B").lower()
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def is_hf_dir(path: str | Path) -> bool:
+    """True for a Hugging Face directory: config.json and safetensors weights."""
+    path = Path(path)
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def _copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+            copied.append(name)
+    return copied
+
+
+def training_tokenizer(checkpoint: str | Path) -> Path | None:
+    """The tokenizer.json a checkpoint's model was trained with, when it can be found.
+
+    A tokenizer.json in the checkpoint directory, else the one named by the manifest of
+    the run's corpus (``data.path``), else mt-data's default tokenizer for a run on the
+    default corpus; None for a model-only checkpoint without one.
+
+    Args:
+        checkpoint: an mt checkpoint directory.
+
+    Returns:
+        The tokenizer.json path, or None.
+    """
+    checkpoint = Path(checkpoint)
+    if (checkpoint / "tokenizer.json").is_file():
+        return checkpoint / "tokenizer.json"
+    state = json.loads((checkpoint / _STATE_FILE).read_text())
+    data = state.get("config", {}).get("data")
+    if data is None:  # model-only: no corpus
+        return None
+    if not data.get("path"):
+        return Path(default_tokenizer_path())
+    manifest = Path(data["path"]) / "manifest.json"
+    if manifest.is_file():
+        named = json.loads(manifest.read_text()).get("tokenizer")
+        if named and Path(named).is_file():
+            return Path(named)
+    return None
+
+
+def hf_to_mt(hf_dir: str | Path, out_dir: str | Path) -> Path:
+    """Writes a model-only mt checkpoint from a Hugging Face directory.
+
+    Args:
+        hf_dir: config.json and safetensors (sharded or not).
+        out_dir: the checkpoint directory to create; written beside it and renamed when
+            complete.
+
+    Returns:
+        The checkpoint directory.
+    """
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    if not is_hf_dir(hf_dir):
+        raise ValueError(
+            f"--hf {hf_dir} is not a Hugging Face directory (config.json + *.safetensors)"
+        )
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise ValueError(f"--out {out_dir} exists and is not empty; choose a new directory")
+    model = load_hf(hf_dir)
+    family = next(n for n, (_, cls) in MODEL_FAMILIES.items() if type(model) is cls)
+    tensors = {f"model/{k}": v.detach() for k, v in model.canonical_parameters().items()}
+    tmp = out_dir.with_name(f".tmp-{out_dir.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(tensors, checkpoint_id=tmp)
+    config = json.loads(json.dumps({"model_family": family, "model": _asdict(model.config)}))
+    state = {"format_version": FORMAT_VERSION, "step": 0, "model_only": True, "config": config}
+    (tmp / _STATE_FILE).write_text(json.dumps(state, indent=2))
+    _copy_tokenizer_files(hf_dir, tmp)
+    if out_dir.exists():
+        out_dir.rmdir()  # empty, checked above
+    os.rename(tmp, out_dir)
+    return out_dir
+
+
+def _asdict(config: Any) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def read_mt_checkpoint(path: str | Path) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Reads the model of an mt checkpoint (training or model-only) into CPU tensors.
+
+    Args:
+        path: a checkpoint directory (``.metadata`` and ``train_state.json``).
+
+    Returns:
+        (model config, Hub key → whole tensor in its stored dtype).
+    """
+    path = Path(path)
+    if not (path / ".metadata").is_file() or not (path / _STATE_FILE).is_file():
+        raise ValueError(
+            f"{path} is not a complete mt checkpoint (.metadata and {_STATE_FILE}); give a "
+            "step_N directory of a run or the output of `mt-train convert hf-to-mt`"
+        )
+    saved = json.loads((path / _STATE_FILE).read_text())["config"]
+    config_cls = MODEL_FAMILIES[saved["model_family"]][0]
+    model_config = config_cls(**saved["model"])
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    tensors = {}
+    for key, meta in metadata.state_dict_metadata.items():
+        if key.startswith("model/"):
+            tensors[key] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(tensors, checkpoint_id=path)
+    return model_config, {k.removeprefix("model/"): v for k, v in tensors.items()}
+
+
+def mt_to_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: int = 5 * 10**9) -> Path:
+    """Writes a Hugging Face directory from an mt checkpoint.
+
+    Args:
+        checkpoint: a training checkpoint (``step_N``) or a model-only one.
+        out_dir: the directory to write (config.json, safetensors, index when sharded,
+            tokenizer files found in the checkpoint directory or the training tokenizer,
+            see `training_tokenizer`).
+        max_shard_size: largest safetensors shard in bytes.
+
+    Returns:
+        The output directory.
+    """
+    checkpoint, out_dir = Path(checkpoint), Path(out_dir)
+    model_config, canonical = read_mt_checkpoint(checkpoint)
+    family = next(n for n, (cls, _) in MODEL_FAMILIES.items() if isinstance(model_config, cls))
+    dtype = canonical["model.embed_tokens.weight"].dtype
+    with torch.device("meta"):
+        model = MODEL_FAMILIES[family][1](model_config)
+    model.to_empty(device="cpu")
+    model.to(dtype)
+    targets = model.canonical_parameters()
+    missing = sorted(set(targets) - set(canonical))
+    if missing:
+        raise ValueError(
+            f"checkpoint {checkpoint} lacks {len(missing)} parameter(s) of its own model "
+            f"config, e.g. {missing[:3]}; the checkpoint is damaged or from another version"
+        )
+    with torch.no_grad():
+        for key, target in targets.items():
+            target.copy_(canonical[key])
+    save_hf(model, out_dir, max_shard_size=max_shard_size)
+    _copy_tokenizer_files(checkpoint, out_dir)
+    tokenizer = training_tokenizer(checkpoint)
+    if tokenizer is not None and not (out_dir / "tokenizer.json").exists():
+        shutil.copy2(tokenizer, out_dir / "tokenizer.json")
+        beside = tokenizer.parent / "tokenizer_config.json"
+        if beside.is_file() and not (out_dir / "tokenizer_config.json").exists():
+            shutil.copy2(beside, out_dir / "tokenizer_config.json")
+    return out_dir
+
+
+def read_init_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """Reads `init_from` weights: a Hugging Face directory or an mt checkpoint.
+
+    Args:
+        path: the source directory.
+
+    Returns:
+        Hub key → whole CPU tensor.
+    """
+    path = Path(path)
+    if is_hf_dir(path):
+        return {k: v.detach() for k, v in load_hf(path).canonical_parameters().items()}
+    if (path / ".metadata").is_file():
+        return read_mt_checkpoint(path)[1]
+    raise ValueError(
+        f"init_from ({str(path)!r}) is neither a Hugging Face directory (config.json + "
+        "*.safetensors) nor an mt checkpoint (.metadata + train_state.json)"
+    )

@@ -1,0 +1,89 @@
+"""How the loop meets faults: stop signals, non-finite steps, and the launcher's exit file.
+
+SIGTERM, SIGINT and SIGUSR1 set a flag; the ranks agree on it at each step boundary
+(`agree_to_stop`), save, and return normally, so the process exits 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+from pathlib import Path
+
+import torch
+
+from mt_train.distributed import all_reduce
+
+log = logging.getLogger("mt_train")
+# Signals that ask for a save and a clean exit: SIGUSR1 is what SLURM sends early
+# (sbatch --signal=B:USR1@120, tools/launch/sbatch_example.sh).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+# tools/launch/torchrun.sh names a file here; rank 0 writes it after a clean stop, so the
+# wrapper can report success although torchrun exits non-zero after forwarding a signal.
+EXIT_FILE_ENV = "MT_TRAIN_EXIT_FILE"
+
+
+class NonFiniteError(RuntimeError):
+    """A non-finite loss or gradient norm under ``training.on_nonfinite='stop'``."""
+
+
+@contextlib.contextmanager
+def stop_on_signals(state):
+    """While active, SIGTERM, SIGINT and SIGUSR1 set ``state.stop_requested``.
+
+    The loop then saves and stops at the next step boundary. A second SIGINT (Ctrl-C
+    twice) in a process started without torchrun gives up at once. Under torchrun a
+    worker often gets a signal twice (from the terminal or scheduler, then forwarded by
+    the agent), so repeats are ignored there: the agent SIGKILLs after its grace period
+    anyway. The previous handlers come back on exit.
+
+    Args:
+        state: the loop state (`mt_train.train.TrainState`).
+    """
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+
+    def request_stop(signum, frame):
+        if state.stop_requested:
+            if signum == signal.SIGINT and not under_torchrun:
+                raise KeyboardInterrupt
+            return
+        state.stop_requested = True
+        log.warning("received %s; saving a checkpoint after this step",
+                    signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, request_stop) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def write_exit_file(state) -> None:
+    """Tells tools/launch/torchrun.sh, through $MT_TRAIN_EXIT_FILE, of a clean stop.
+
+    Args:
+        state: the loop state; rank 0 writes its step and why it stopped.
+    """
+    path = os.environ.get(EXIT_FILE_ENV)
+    if path and state.env.is_main:
+        reason = "signal" if state.stop_requested else "finished"
+        tmp = Path(path + ".tmp")
+        tmp.write_text(json.dumps({"step": state.step, "reason": reason}))
+        os.replace(tmp, path)
+
+
+def agree_to_stop(state) -> bool:
+    """All ranks stop at the same step boundary if any of them received a signal.
+
+    Args:
+        state: the loop state.
+
+    Returns:
+        True when some rank has `stop_requested` set.
+    """
+    flag = torch.tensor(int(state.stop_requested), device=state.device)
+    return bool(all_reduce(flag, op="max"))

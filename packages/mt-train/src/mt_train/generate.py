@@ -1,0 +1,99 @@
+"""Sampling text from a checkpoint: ``mt-train generate --checkpoint DIR --prompt TEXT``.
+
+One process on CPU or one GPU, no KV cache: each new token re-runs the model on the
+whole sequence (fine for looking at a checkpoint, not for serving). The tokenizer is the
+checkpoint directory's ``tokenizer.json``, else the one named by the run's corpus
+manifest (``data.path``), else mt-data's default tokenizer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from mt_data import default_tokenizer_path
+from mt_data.tokenizer import load_tokenizer
+from mt_models import MODEL_FAMILIES
+from mt_train.convert import read_mt_checkpoint, training_tokenizer
+
+
+def sample_next(logits_V: torch.Tensor, temperature: float, top_p: float,
+                generator: torch.Generator) -> int:
+    """Picks the next token: greedy at temperature 0, else nucleus (top-p) sampling.
+
+    Args:
+        logits_V: the last position's logits [V].
+        temperature: 0 for greedy; otherwise logits are divided by it.
+        top_p: keep the smallest set of tokens whose probability reaches top_p.
+        generator: the random source.
+
+    Returns:
+        The token id.
+    """
+    if temperature <= 0:
+        return int(logits_V.argmax())
+    probs_V = torch.softmax(logits_V.float() / temperature, dim=-1)
+    sorted_V, order_V = probs_V.sort(descending=True)
+    # Keep a token while the mass before it is below top_p (the first is always kept).
+    keep_V = sorted_V.cumsum(-1) - sorted_V < top_p
+    sorted_V = sorted_V * keep_V
+    choice = torch.multinomial(sorted_V / sorted_V.sum(), 1, generator=generator)
+    return int(order_V[choice])
+
+
+def generate(
+    checkpoint: str | Path,
+    prompt: str,
+    *,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_p: float = 0.9,
+    seed: int = 0,
+    device: str = "cpu",
+) -> str:
+    """Continues `prompt` with a checkpoint's model.
+
+    Args:
+        checkpoint: an mt checkpoint (a run's ``step_N`` or ``convert hf-to-mt`` output).
+        prompt: the text to continue.
+        max_new_tokens: tokens to add (fewer when the model emits EOS).
+        temperature: 0 for greedy decoding.
+        top_p: nucleus mass when sampling.
+        seed: seeds sampling.
+        device: where the model runs.
+
+    Returns:
+        The prompt followed by the generated text.
+    """
+    if max_new_tokens < 0 or not 0 < top_p <= 1 or temperature < 0:
+        raise ValueError(
+            f"--max-new-tokens ({max_new_tokens}) must be >= 0, --top-p ({top_p}) in (0, 1] "
+            f"and --temperature ({temperature}) >= 0"
+        )
+    checkpoint = Path(checkpoint)
+    model_config, canonical = read_mt_checkpoint(checkpoint)
+    family = next(n for n, (cls, _) in MODEL_FAMILIES.items() if isinstance(model_config, cls))
+    with torch.device("meta"):
+        model = MODEL_FAMILIES[family][1](model_config)
+    model.to_empty(device=device)
+    model.to(canonical["model.embed_tokens.weight"].dtype)
+    with torch.no_grad():
+        for key, target in model.canonical_parameters().items():
+            target.copy_(canonical[key])
+    model.eval()
+    tokenizer = load_tokenizer(training_tokenizer(checkpoint) or default_tokenizer_path())
+    ids = tokenizer.tokenizer.encode(prompt).ids
+    if not ids:
+        ids = [tokenizer.eos_id]  # start a fresh document
+    generator = torch.Generator().manual_seed(seed)
+    new = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            input_ids = torch.tensor([ids + new], device=device)
+            logits_V = model(input_ids)[0, -1].cpu()
+            token = sample_next(logits_V, temperature, top_p, generator)
+            if token == tokenizer.eos_id:
+                break
+            new.append(token)
+    return prompt + tokenizer.tokenizer.decode(new)

@@ -1,0 +1,114 @@
+"""Optional profiling of a run: a PyTorch profiler trace over steps a..b, a CUDA memory
+snapshot, and NVTX ranges per step (for Nsight Systems).
+
+    mt-train pretrain debug profile.trace_steps=10,12 profile.memory_snapshot=true
+
+Files go to ``<run_dir>/profile/``: ``trace_rank<r>_steps<a>-<b>.json`` (open in
+chrome://tracing or https://ui.perfetto.dev) and ``memory_rank<r>.pickle`` (drag into
+https://pytorch.org/memory_viz).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("mt_train")
+# Allocation events kept by the CUDA memory recorder (PyTorch's suggested default).
+_MEMORY_MAX_ENTRIES = 100_000
+
+
+def parse_trace_steps(text: str) -> tuple[int, int] | None:
+    """Parses ``profile.trace_steps`` ("a,b", inclusive; "" for none).
+
+    Args:
+        text: the config value.
+
+    Returns:
+        (first, last) step, or None.
+    """
+    if not text.strip():
+        return None
+    parts = text.split(",")
+    try:
+        first, last = (int(p) for p in parts)
+    except ValueError:
+        first = last = -1
+    if len(parts) != 2 or not 1 <= first <= last:
+        raise ValueError(
+            f"profile.trace_steps ({text!r}) must be 'a,b' with 1 <= a <= b, e.g. "
+            "profile.trace_steps=10,12"
+        )
+    return first, last
+
+
+class StepProfiler:
+    """Starts and stops the profilers around the steps a run asked for.
+
+    Args:
+        run_dir: where ``profile/`` goes.
+        rank: this process's rank (one file per rank).
+        trace_steps: (first, last) steps to trace, or None.
+        memory_snapshot: record CUDA allocations from the start; dump at the end of the
+            traced steps (or of the run).
+        nvtx: wrap each step in an NVTX range named ``step <n>``.
+    """
+
+    def __init__(self, run_dir: str | Path, rank: int, trace_steps: tuple[int, int] | None,
+                 memory_snapshot: bool, nvtx: bool):
+        self.dir = Path(run_dir) / "profile"
+        self.rank = rank
+        self.trace_steps = trace_steps
+        self.nvtx = nvtx and torch.cuda.is_available()
+        self.memory = memory_snapshot and torch.cuda.is_available()
+        if memory_snapshot and not self.memory:
+            log.warning("profile.memory_snapshot needs CUDA; no snapshot on this device")
+        self._profiler = None
+        if self.memory:
+            torch.cuda.memory._record_memory_history(max_entries=_MEMORY_MAX_ENTRIES)
+
+    @contextlib.contextmanager
+    def step(self, step: int):
+        """Profiles one step (numbered from 1) as configured."""
+        if self.trace_steps and step == self.trace_steps[0]:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._profiler = torch.profiler.profile(
+                activities=activities, record_shapes=True, acc_events=True
+            )
+            self._profiler.__enter__()
+        nvtx = torch.cuda.nvtx.range(f"step {step}") if self.nvtx else contextlib.nullcontext()
+        with nvtx:
+            yield
+        if self._profiler is not None and step == self.trace_steps[1]:
+            self._finish_trace()
+
+    def _finish_trace(self) -> None:
+        self._profiler.__exit__(None, None, None)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        first, last = self.trace_steps
+        path = self.dir / f"trace_rank{self.rank}_steps{first}-{last}.json"
+        self._profiler.export_chrome_trace(str(path))
+        self._profiler = None
+        log.info("wrote profiler trace %s", path)
+        self._dump_memory()
+
+    def _dump_memory(self) -> None:
+        if not self.memory:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        path = self.dir / f"memory_rank{self.rank}.pickle"
+        torch.cuda.memory._dump_snapshot(str(path))
+        torch.cuda.memory._record_memory_history(enabled=None)
+        self.memory = False
+        log.info("wrote CUDA memory snapshot %s", path)
+
+    def close(self) -> None:
+        """Ends a trace cut short by the end of the run and dumps a pending snapshot."""
+        if self._profiler is not None:
+            self._finish_trace()
+        self._dump_memory()

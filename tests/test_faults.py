@@ -1,0 +1,166 @@
+"""The loop survives faults: signals, non-finite steps, crashes mid-save; keep-last K.
+
+Each test plants its fault by monkeypatching the loop's own functions, so no fault
+injection knob reaches the user-facing config.
+"""
+
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import mt_train.checkpoint as checkpoint_module
+import mt_train.train as train_module
+from mt_train.checkpoint import checkpoint_root, list_checkpoints
+from mt_train.overrides import resolve_config
+from mt_train.recipes import get_recipe
+from mt_train.train import NonFiniteError, pretrain
+
+TINY = [
+    "model.hidden_size=64",
+    "model.num_hidden_layers=2",
+    "model.moe_intermediate_size=32",
+    "model.intermediate_size=64",
+    "data.seq_len=64",
+    "training.global_batch_size=4",
+    "training.micro_batch_size=2",
+    "training.num_threads=1",
+    "training.warmup_steps=0",
+]
+
+
+def _cfg(run_dir, *overrides):
+    return resolve_config(get_recipe("debug"), overrides=[*TINY, f"run_dir={run_dir}", *overrides])
+
+
+def _steps(run_dir):
+    return [c.step for c in list_checkpoints(checkpoint_root(run_dir))]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_signal_saves_at_the_next_step_boundary_and_a_rerun_resumes_there(
+    tmp_path, monkeypatch, signum
+):
+    real_train_step = train_module.train_step
+
+    def train_step_then_signal(state, microbatches):
+        out = real_train_step(state, microbatches)
+        if state.step == 3:
+            os.kill(os.getpid(), signum)  # arrives mid-run, as from a scheduler
+        return out
+
+    monkeypatch.setattr(train_module, "train_step", train_step_then_signal)
+    stopped = pretrain(_cfg(tmp_path, "training.max_steps=50", "checkpoint.interval=0"))
+    assert stopped.step == 3 and stopped.stop_requested
+    assert _steps(tmp_path) == [3]
+    assert signal.getsignal(signum) is not train_step_then_signal  # handlers restored
+    monkeypatch.setattr(train_module, "train_step", real_train_step)
+    resumed = pretrain(_cfg(tmp_path, "training.max_steps=5"))
+    assert resumed.step == 5 and len(resumed.losses) == 2
+
+
+def _plant_nan_at(monkeypatch, bad_step):
+    real_clip = train_module.clip_grad_norm
+    calls = {"n": 0}
+
+    def clip_with_a_nan_gradient(params, max_norm, group):
+        params = list(params)
+        calls["n"] += 1
+        if calls["n"] == bad_step:
+            params[0].grad.view(-1)[0] = float("nan")
+        return real_clip(params, max_norm, group)
+
+    monkeypatch.setattr(train_module, "clip_grad_norm", clip_with_a_nan_gradient)
+
+
+def test_a_nan_gradient_is_skipped_and_counted_and_the_weights_stay_finite(
+    tmp_path, monkeypatch
+):
+    _plant_nan_at(monkeypatch, bad_step=2)
+    state = pretrain(_cfg(tmp_path, "training.max_steps=4", "training.on_nonfinite=skip"))
+    assert state.skipped_steps == 1
+    # Had the NaN reached AdamW, every later loss and weight would be NaN.
+    assert all(math.isfinite(loss) for loss in state.losses)
+    assert all(torch.isfinite(p).all() for p in state.model.parameters())
+
+
+def test_a_nan_gradient_with_stop_ends_the_run_keeping_the_last_good_checkpoint(
+    tmp_path, monkeypatch
+):
+    _plant_nan_at(monkeypatch, bad_step=3)
+    cfg = _cfg(tmp_path, "training.max_steps=6", "training.on_nonfinite=stop",
+               "checkpoint.interval=2")
+    with pytest.raises(NonFiniteError, match=r"step 3: .*not finite.*step_00000002"):
+        pretrain(cfg)
+    assert _steps(tmp_path) == [2]
+    monkeypatch.undo()
+    resumed = pretrain(cfg)
+    assert resumed.step == 6 and len(resumed.losses) == 4
+
+
+def test_a_crash_in_the_middle_of_a_save_leaves_the_previous_checkpoint_resumable(
+    tmp_path, monkeypatch
+):
+    real_save = checkpoint_module.dcp.save
+    saves = {"n": 0}
+
+    def save_then_crash(state_dict, *, checkpoint_id):
+        saves["n"] += 1
+        real_save(state_dict, checkpoint_id=checkpoint_id)  # the tensor files are written
+        if saves["n"] == 2:
+            raise OSError("disk vanished in the middle of the save")
+
+    monkeypatch.setattr(checkpoint_module.dcp, "save", save_then_crash)
+    cfg = _cfg(tmp_path, "training.max_steps=4", "checkpoint.interval=2")
+    with pytest.raises(OSError, match="disk vanished"):
+        pretrain(cfg)
+    root = checkpoint_root(tmp_path)
+    assert _steps(tmp_path) == [2]
+    assert (root / ".tmp-step_00000004" / ".metadata").is_file()  # the torn save is there
+    monkeypatch.undo()
+    resumed = pretrain(cfg)
+    assert resumed.step == 4 and len(resumed.losses) == 2
+    assert _steps(tmp_path) == [2, 4]
+    assert not list(root.glob(".tmp-*")), "a later save removes torn leftovers"
+
+
+def test_only_the_last_k_checkpoints_are_kept(tmp_path):
+    pretrain(_cfg(tmp_path, "training.max_steps=4", "checkpoint.interval=1",
+                  "checkpoint.keep_last=2"))
+    assert _steps(tmp_path) == [3, 4]
+
+
+def test_an_async_checkpoint_holds_its_own_step_while_training_goes_on(tmp_path):
+    constant_lr = ["training.min_lr_ratio=1.0"]
+    whole = pretrain(_cfg(tmp_path / "whole", "training.max_steps=6", *constant_lr))
+    run = tmp_path / "async"
+    pretrain(_cfg(run, "training.max_steps=5", "checkpoint.interval=2", "checkpoint.keep_last=3",
+                  "checkpoint.async_save=true", *constant_lr))
+    assert _steps(run) == [2, 4, 5]
+    # Step 4's files were written while step 5 changed the weights; resume from step 4.
+    shutil.rmtree(checkpoint_root(run) / "step_00000005")
+    resumed = pretrain(_cfg(run, "training.max_steps=6", *constant_lr))
+    assert resumed.losses == whole.losses[4:]
+
+
+def test_a_rank_that_never_answers_ends_the_run_with_a_clear_error(tmp_path):
+    with socket.socket() as sock:  # a free port for the rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    # Rank 0 of a world of 2 whose rank 1 never starts.
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    result = subprocess.run(
+        [sys.executable, "-m", "mt_train", "pretrain", "debug", "parallel.timeout_s=2",
+         "training.device=cpu", f"run_dir={tmp_path}"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "timed out" in result.stderr and "parallel.timeout_s" in result.stderr
+    assert "Traceback" not in result.stderr
