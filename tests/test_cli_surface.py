@@ -47,7 +47,7 @@ def test_subcommands_and_recipes_are_the_pinned_list():
     assert sorted(_subcommands(commands["convert"])) == ["hf-to-mt", "mt-to-hf"]
     assert sorted(RECIPES) == [
         "debug", "debug-deepseek-v2", "debug-gpt-oss", "deepseek-v2-lite", "gpt-oss-20b",
-        "qwen3-30b-a3b",
+        "qwen3-30b-a3b", "tiny",
     ]
     for name in RECIPES:  # every recipe builds a valid config
         assert get_recipe(name).training.max_steps >= 1

@@ -81,27 +81,17 @@ def test_parse_size_reads_decimal_and_binary_units():
         parse_size("five gigs")
 
 
-TINY = [
-    "model.hidden_size=64",
-    "model.num_hidden_layers=2",
-    "model.moe_intermediate_size=32",
-    "model.intermediate_size=64",
-    "data.seq_len=64",
-    "training.global_batch_size=4",
-    "training.micro_batch_size=2",
-    "training.num_threads=1",
-]
 
 
 @pytest.mark.parametrize("source", ["hf", "mt"])
 def test_a_run_starts_from_imported_weights_with_a_fresh_optimizer(tmp_path, source):
-    cfg = resolve_config(get_recipe("debug"), overrides=TINY)
+    cfg = resolve_config(get_recipe("tiny"))
     _write_hf(cfg.model, tmp_path / "hf", torch.float32, seed=123)
     if source == "mt":
         assert main(["convert", "hf-to-mt", "--hf", str(tmp_path / "hf"),
                      "--out", str(tmp_path / "mt")]) == 0
-    overrides = [*TINY, f"run_dir={tmp_path / 'run'}", f"init_from={tmp_path / source}"]
-    state = setup(resolve_config(get_recipe("debug"), overrides=overrides))
+    overrides = [f"run_dir={tmp_path / 'run'}", f"init_from={tmp_path / source}"]
+    state = setup(resolve_config(get_recipe("tiny"), overrides=overrides))
     hf = _hf_tensors(tmp_path / "hf")
     params = state.model.canonical_parameters()
     assert sorted(params) == sorted(hf)
@@ -113,9 +103,9 @@ def test_a_run_starts_from_imported_weights_with_a_fresh_optimizer(tmp_path, sou
 
 
 def test_init_from_a_mismatched_model_names_the_parameter_and_shapes(tmp_path):
-    cfg = resolve_config(get_recipe("debug"), overrides=TINY)
+    cfg = resolve_config(get_recipe("tiny"))
     _write_hf(cfg.model, tmp_path / "hf", torch.float32)
-    overrides = [*TINY, "model.hidden_size=32", f"run_dir={tmp_path / 'run'}",
+    overrides = ["model.hidden_size=32", f"run_dir={tmp_path / 'run'}",
                  f"init_from={tmp_path / 'hf'}"]
     with pytest.raises(ValueError, match=r"has shape .* but the model has"):
-        pretrain(resolve_config(get_recipe("debug"), overrides=overrides))
+        pretrain(resolve_config(get_recipe("tiny"), overrides=overrides))

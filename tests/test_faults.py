@@ -22,21 +22,11 @@ from mt_train.overrides import resolve_config
 from mt_train.recipes import get_recipe
 from mt_train.train import NonFiniteError, pretrain
 
-TINY = [
-    "model.hidden_size=64",
-    "model.num_hidden_layers=2",
-    "model.moe_intermediate_size=32",
-    "model.intermediate_size=64",
-    "data.seq_len=64",
-    "training.global_batch_size=4",
-    "training.micro_batch_size=2",
-    "training.num_threads=1",
-    "training.warmup_steps=0",
-]
+TINY = ["training.warmup_steps=0"]  # on top of the tiny recipe: a flat LR from step 1
 
 
 def _cfg(run_dir, *overrides):
-    return resolve_config(get_recipe("debug"), overrides=[*TINY, f"run_dir={run_dir}", *overrides])
+    return resolve_config(get_recipe("tiny"), overrides=[*TINY, f"run_dir={run_dir}", *overrides])
 
 
 def _steps(run_dir):
@@ -157,7 +147,7 @@ def test_a_rank_that_never_answers_ends_the_run_with_a_clear_error(tmp_path):
     env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     result = subprocess.run(
-        [sys.executable, "-m", "mt_train", "pretrain", "debug", "parallel.timeout_s=2",
+        [sys.executable, "-m", "mt_train", "pretrain", "tiny", "parallel.timeout_s=2",
          "training.device=cpu", f"run_dir={tmp_path}"],
         capture_output=True, text=True, env=env, timeout=120,
     )

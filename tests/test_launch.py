@@ -22,17 +22,7 @@ from mt_train.checkpoint import checkpoint_root, list_checkpoints
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
-TINY = [
-    "model.hidden_size=64",
-    "model.num_hidden_layers=2",
-    "model.moe_intermediate_size=32",
-    "model.intermediate_size=64",
-    "data.seq_len=64",
-    "training.global_batch_size=4",
-    "training.micro_batch_size=2",
-    "training.num_threads=1",
-    "training.warmup_steps=0",
-]
+TINY = ["training.warmup_steps=0"]  # on top of the tiny recipe: a flat LR from step 1
 
 
 def _logged_steps(run_dir):
@@ -47,7 +37,7 @@ def test_sigterm_to_the_torchrun_wrapper_saves_exits_zero_and_the_rerun_resumes(
     env = {**os.environ, "OMP_NUM_THREADS": "1", "NPROC_PER_NODE": "2",
            "PYTHON": sys.executable}
     cmd = ["bash", str(ROOT / "tools/launch/torchrun.sh"), "-m", "mt_train", "pretrain",
-           "debug", *TINY, "training.max_steps=10000", "parallel.ep=2", f"run_dir={run_dir}",
+           "tiny", *TINY, "training.max_steps=10000", "parallel.ep=2", f"run_dir={run_dir}",
            "checkpoint.interval=3", "checkpoint.async_save=true"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
@@ -68,7 +58,7 @@ def test_sigterm_to_the_torchrun_wrapper_saves_exits_zero_and_the_rerun_resumes(
     saved = [c.step for c in list_checkpoints(checkpoint_root(run_dir))]
     assert saved[-1] == steps[-1] and 2 <= saved[-1] < 10000
     rerun = subprocess.run(
-        [sys.executable, "-m", "mt_train", "pretrain", "debug", *TINY,
+        [sys.executable, "-m", "mt_train", "pretrain", "tiny", *TINY,
          f"training.max_steps={saved[-1] + 1}", f"run_dir={run_dir}"],
         capture_output=True, text=True, env=env, timeout=120,
     )

@@ -15,21 +15,9 @@ from mt_train.overrides import resolve_config
 from mt_train.recipes import get_recipe
 from mt_train.train import pretrain
 
-# A model small enough that each test takes seconds; everything else is the debug recipe.
-TINY = [
-    "model.hidden_size=64",
-    "model.num_hidden_layers=2",
-    "model.moe_intermediate_size=32",
-    "model.intermediate_size=64",
-    "data.seq_len=64",
-    "training.global_batch_size=4",
-    "training.micro_batch_size=2",
-    "training.num_threads=1",
-]
-
 
 def _cfg(run_dir, *overrides):
-    return resolve_config(get_recipe("debug"), overrides=[*TINY, f"run_dir={run_dir}", *overrides])
+    return resolve_config(get_recipe("tiny"), overrides=[f"run_dir={run_dir}", *overrides])
 
 
 def _metrics(run_dir):
@@ -43,8 +31,11 @@ def test_pretrain_loss_falls_and_metrics_are_written(tmp_path):
                           *validation))
     rows = _metrics(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, 41))
-    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "aux_loss"):
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "aux_loss",
+                "load_balancing_loss", "router_z_loss"):
         assert all(isinstance(r[key], (int, float)) for r in rows), key
+    coef = state.cfg.model.router_aux_loss_coef  # the debug model has no z-loss weight
+    assert all(r["aux_loss"] == pytest.approx(coef * r["load_balancing_loss"]) for r in rows)
     first, last = sum(state.losses[:5]) / 5, sum(state.losses[-5:]) / 5
     assert last < first - 1.0, (first, last)
     val = {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
@@ -146,7 +137,7 @@ def test_an_unfinished_checkpoint_is_never_resumed(tmp_path):
 @pytest.mark.slow
 def test_mt_train_command_runs_and_resumes(tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "mt_train", "pretrain", "debug", *TINY, f"run_dir={tmp_path}"]
+    cmd = [sys.executable, "-m", "mt_train", "pretrain", "tiny", f"run_dir={tmp_path}"]
     first = subprocess.run([*cmd, "training.max_steps=2"], capture_output=True, text=True, env=env)
     assert first.returncode == 0, first.stderr
     assert "step 2/2" in first.stdout

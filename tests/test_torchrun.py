@@ -15,19 +15,8 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-TINY = [
-    "model.hidden_size=64",
-    "model.num_hidden_layers=2",
-    "model.moe_intermediate_size=32",
-    "model.intermediate_size=64",
-    "data.seq_len=64",
-    "training.global_batch_size=4",
-    "training.micro_batch_size=2",
-    "training.num_threads=1",
-    "training.warmup_steps=0",
-    "training.min_lr_ratio=1.0",  # a constant LR: stopping at step 3 keeps the schedule
-    "training.max_steps=5",
-]
+# On top of the tiny recipe: a constant LR, so stopping at step 3 keeps the schedule.
+TINY = ["training.warmup_steps=0", "training.min_lr_ratio=1.0", "training.max_steps=5"]
 
 
 def _losses(run_dir):
@@ -38,11 +27,11 @@ def _losses(run_dir):
 def _run(args, nproc=1):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if nproc == 1:
-        cmd = [sys.executable, "-m", "mt_train", "pretrain", "debug", *TINY, *args]
+        cmd = [sys.executable, "-m", "mt_train", "pretrain", "tiny", *TINY, *args]
     else:
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={nproc}", "-m", "mt_train", "pretrain", "debug", *TINY, *args,
+            f"--nproc-per-node={nproc}", "-m", "mt_train", "pretrain", "tiny", *TINY, *args,
         ]
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -10,7 +10,7 @@ global-batch mean loss whatever the layout (ARCHITECTURE.md §5).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -36,12 +36,15 @@ class StepResult:
     Attributes:
         ce_sum: summed token cross-entropy (fp32 scalar).
         num_tokens: number of tokens that carried a label (int64 scalar).
-        aux_loss: load-balancing loss, averaged over micro-batches (fp32 scalar).
+        aux_loss: the weighted auxiliary loss, averaged over micro-batches (fp32 scalar).
+        losses: its unweighted terms (e.g. `load_balancing_loss`, `router_z_loss`, as the
+            model's `LossOutput.losses` names them), averaged over micro-batches.
     """
 
     ce_sum: torch.Tensor
     num_tokens: torch.Tensor
     aux_loss: torch.Tensor
+    losses: dict[str, float] = field(default_factory=dict)
 
 
 def run_microbatches(
@@ -69,6 +72,7 @@ def run_microbatches(
     ce_sum = torch.zeros((), dtype=torch.float64)
     num_tokens = torch.zeros((), dtype=torch.int64)
     aux = torch.zeros((), dtype=torch.float64)
+    terms: dict[str, float] = {}
     for mb in microbatches:
         if mb.positions is None:
             out = model.loss(mb.input_ids, mb.labels, ignore_index=ignore_index)
@@ -82,4 +86,6 @@ def run_microbatches(
         ce_sum += out.ce_sum.detach().double().cpu()
         num_tokens += out.num_tokens.detach().cpu()
         aux += out.aux_loss.detach().double().cpu() / len(microbatches)
-    return StepResult(ce_sum=ce_sum, num_tokens=num_tokens, aux_loss=aux)
+        for name, value in getattr(out, "losses", {}).items():
+            terms[name] = terms.get(name, 0.0) + float(value) / len(microbatches)
+    return StepResult(ce_sum=ce_sum, num_tokens=num_tokens, aux_loss=aux, losses=terms)

@@ -7,6 +7,7 @@ adjust it (`mt_train.overrides`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from mt_models import deepseek_v2, gpt_oss, qwen3_moe
 from mt_train.config import (
@@ -32,6 +33,21 @@ def debug() -> JobConfig:
         ),
         checkpoint=CheckpointConfig(interval=50, keep_last=2),
     )
+
+
+def tiny() -> JobConfig:
+    """The debug recipe shrunk to a 2-layer, 64-wide model on 64-token sequences: seconds."""
+    cfg = debug()
+    cfg.model = replace(
+        cfg.model, hidden_size=64, num_hidden_layers=2, moe_intermediate_size=32,
+        intermediate_size=64,
+    )
+    cfg.run_dir = "runs/tiny"
+    cfg.data = replace(cfg.data, seq_len=64)
+    cfg.training = replace(
+        cfg.training, max_steps=20, global_batch_size=4, micro_batch_size=2, num_threads=1
+    )
+    return cfg
 
 
 def debug_deepseek_v2() -> JobConfig:
@@ -65,7 +81,7 @@ def qwen3_30b_a3b() -> JobConfig:
         training=TrainingConfig(
             max_steps=1000,
             global_batch_size=128,
-            micro_batch_size=1,
+            micro_batch_size=8,  # over all dp·ep ranks: one sequence per GPU on 8 GPUs
             lr=3e-4,
             warmup_steps=100,
         ),
@@ -88,7 +104,7 @@ def deepseek_v2_lite() -> JobConfig:
         training=TrainingConfig(
             max_steps=1000,
             global_batch_size=128,
-            micro_batch_size=1,
+            micro_batch_size=8,  # over all dp·ep ranks: one sequence per GPU on 8 GPUs
             lr=4.2e-4,
             warmup_steps=100,
         ),
@@ -109,7 +125,7 @@ def gpt_oss_20b() -> JobConfig:
         training=TrainingConfig(
             max_steps=1000,
             global_batch_size=128,
-            micro_batch_size=1,
+            micro_batch_size=8,  # over all dp·ep ranks: one sequence per GPU on 8 GPUs
             lr=1e-4,
             warmup_steps=100,
         ),
@@ -119,6 +135,7 @@ def gpt_oss_20b() -> JobConfig:
 
 RECIPES: dict[str, Callable[[], JobConfig]] = {
     "debug": debug,
+    "tiny": tiny,
     "debug-deepseek-v2": debug_deepseek_v2,
     "debug-gpt-oss": debug_gpt_oss,
     "qwen3-30b-a3b": qwen3_30b_a3b,

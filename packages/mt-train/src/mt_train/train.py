@@ -304,6 +304,8 @@ def train_step(state: TrainState, microbatches: list[MicroBatch]) -> dict[str, A
         "step": step,
         "loss": loss,
         "aux_loss": float(result.aux_loss),
+        # Unweighted router terms (equal on every rank: their statistics are global).
+        **{name: value for name, value in result.losses.items()},
         "lr": lr,
         "grad_norm": grad_norm,
         "tokens_per_s": tokens_per_s,
