@@ -69,10 +69,9 @@ def run_microbatches(
     """
     if global_num_tokens <= 0:
         raise ValueError(f"global_num_tokens ({global_num_tokens}) must be positive")
-    ce_sum = torch.zeros((), dtype=torch.float64)
-    num_tokens = torch.zeros((), dtype=torch.int64)
-    aux = torch.zeros((), dtype=torch.float64)
-    terms: dict[str, float] = {}
+    # Sums stay on the device: one host transfer at the end, not one per micro-batch.
+    ce_sums, token_counts, aux_losses = [], [], []
+    terms: dict[str, list[torch.Tensor]] = {}
     for mb in microbatches:
         if mb.positions is None:
             out = model.loss(mb.input_ids, mb.labels, ignore_index=ignore_index)
@@ -83,9 +82,18 @@ def run_microbatches(
         # The aux loss is a per-micro-batch mean already; average it over micro-batches.
         loss = out.ce_sum / global_num_tokens + out.aux_loss / len(microbatches)
         loss.backward()
-        ce_sum += out.ce_sum.detach().double().cpu()
-        num_tokens += out.num_tokens.detach().cpu()
-        aux += out.aux_loss.detach().double().cpu() / len(microbatches)
+        ce_sums.append(out.ce_sum.detach().double())
+        token_counts.append(out.num_tokens.detach())
+        aux_losses.append(out.aux_loss.detach().double())
         for name, value in getattr(out, "losses", {}).items():
-            terms[name] = terms.get(name, 0.0) + float(value) / len(microbatches)
-    return StepResult(ce_sum=ce_sum, num_tokens=num_tokens, aux_loss=aux, losses=terms)
+            terms.setdefault(name, []).append(value.detach().double())
+    if not microbatches:
+        zero = torch.zeros((), dtype=torch.float64)
+        return StepResult(ce_sum=zero, num_tokens=zero.long(), aux_loss=zero)
+    losses = {name: float(torch.stack(v).mean()) for name, v in terms.items()}
+    return StepResult(
+        ce_sum=torch.stack(ce_sums).sum().cpu(),
+        num_tokens=torch.stack(token_counts).sum().cpu(),
+        aux_loss=torch.stack(aux_losses).mean().cpu(),
+        losses=losses,
+    )

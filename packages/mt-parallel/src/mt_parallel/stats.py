@@ -52,21 +52,13 @@ class _GatherKeepSlice(torch.autograd.Function):
 
 
 def sum_across(x: Tensor, group: dist.ProcessGroup) -> Tensor:
-    """All-reduce sum whose gradient passes to the local input unchanged."""
+    """All-reduce sum whose gradient passes to the local input unchanged (any dtype)."""
     return _SumKeepGrad.apply(x, group)
 
 
 def gather_across(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     """All-gather along dim 0 (rank order) whose backward keeps this rank's rows."""
     return _GatherKeepSlice.apply(x, group)
-
-
-def _summed(x: Tensor, group: dist.ProcessGroup) -> Tensor:
-    if x.requires_grad:
-        return sum_across(x, group)
-    out = x.detach().clone()
-    dist.all_reduce(out, group=group)
-    return out
 
 
 def reduce_router_stats(
@@ -91,21 +83,16 @@ def reduce_router_stats(
     for name in ("tokens_per_expert_BE", "prob_sum_BE", "num_tokens_B"):
         value = getattr(stats, name)
         if dist.get_world_size(context) > 1:
-            value = _summed(value, context)
+            value = sum_across(value, context)
         if dist.get_world_size(batch) > 1:
-            value = gather_across(value, batch) if value.requires_grad else _gather(value, batch)
+            value = gather_across(value, batch)
         per_sequence[name] = value
     return replace(
         stats,
-        tokens_per_expert_E=_summed(stats.tokens_per_expert_E, everyone),
-        prob_sum_E=_summed(stats.prob_sum_E, everyone),
-        num_tokens=_summed(stats.num_tokens, everyone),
-        z_sum=_summed(stats.z_sum, everyone),
+        tokens_per_expert_E=sum_across(stats.tokens_per_expert_E, everyone),
+        prob_sum_E=sum_across(stats.prob_sum_E, everyone),
+        num_tokens=sum_across(stats.num_tokens, everyone),
+        z_sum=sum_across(stats.z_sum, everyone),
         **per_sequence,
     )
 
-
-def _gather(x: Tensor, group: dist.ProcessGroup) -> Tensor:
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.detach().contiguous(), group=group)
-    return torch.cat(parts)

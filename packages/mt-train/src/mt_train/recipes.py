@@ -72,21 +72,26 @@ def debug_gpt_oss() -> JobConfig:
     return cfg
 
 
-def qwen3_30b_a3b() -> JobConfig:
-    """Qwen3-30B-A3B (128 experts, top-8) at sequence length 4096."""
+def _full_size(model, name: str, *, lr: float) -> JobConfig:
+    """The schedule shared by the full-size recipes: 4096-token sequences, 128 per step."""
     return JobConfig(
-        model=qwen3_moe.qwen3_30b_a3b(),
-        run_dir="runs/qwen3-30b-a3b",
+        model=model,
+        run_dir=f"runs/{name}",
         data=DataConfig(seq_len=4096),
         training=TrainingConfig(
             max_steps=1000,
             global_batch_size=128,
             micro_batch_size=8,  # over all dp·ep ranks: one sequence per GPU on 8 GPUs
-            lr=3e-4,
+            lr=lr,
             warmup_steps=100,
         ),
         checkpoint=CheckpointConfig(interval=500),
     )
+
+
+def qwen3_30b_a3b() -> JobConfig:
+    """Qwen3-30B-A3B (128 experts, top-8) at sequence length 4096."""
+    return _full_size(qwen3_moe.qwen3_30b_a3b(), "qwen3-30b-a3b", lr=3e-4)
 
 
 def deepseek_v2_lite() -> JobConfig:
@@ -97,19 +102,7 @@ def deepseek_v2_lite() -> JobConfig:
     (128 sequences) and step count are a continued-pretraining run, not the paper's 5.7T
     tokens.
     """
-    return JobConfig(
-        model=deepseek_v2.deepseek_v2_lite(),
-        run_dir="runs/deepseek-v2-lite",
-        data=DataConfig(seq_len=4096),
-        training=TrainingConfig(
-            max_steps=1000,
-            global_batch_size=128,
-            micro_batch_size=8,  # over all dp·ep ranks: one sequence per GPU on 8 GPUs
-            lr=4.2e-4,
-            warmup_steps=100,
-        ),
-        checkpoint=CheckpointConfig(interval=500),
-    )
+    return _full_size(deepseek_v2.deepseek_v2_lite(), "deepseek-v2-lite", lr=4.2e-4)
 
 
 def gpt_oss_20b() -> JobConfig:
@@ -118,19 +111,7 @@ def gpt_oss_20b() -> JobConfig:
     OpenAI did not publish training hyper-parameters; these are a conservative
     continued-pretraining setting (peak LR 1e-4, the AdamW defaults of the other recipes).
     """
-    return JobConfig(
-        model=gpt_oss.gpt_oss_20b(),
-        run_dir="runs/gpt-oss-20b",
-        data=DataConfig(seq_len=4096),
-        training=TrainingConfig(
-            max_steps=1000,
-            global_batch_size=128,
-            micro_batch_size=8,  # over all dp·ep ranks: one sequence per GPU on 8 GPUs
-            lr=1e-4,
-            warmup_steps=100,
-        ),
-        checkpoint=CheckpointConfig(interval=500),
-    )
+    return _full_size(gpt_oss.gpt_oss_20b(), "gpt-oss-20b", lr=1e-4)
 
 
 RECIPES: dict[str, Callable[[], JobConfig]] = {

@@ -53,6 +53,8 @@ from mt_train.profiling import StepProfiler, parse_trace_steps
 
 log = logging.getLogger("mt_train")
 IGNORE_INDEX = -100
+
+
 @dataclass
 class TrainState:
     """Everything the loop owns: config, model, optimizer, data, layout and counters."""
@@ -67,6 +69,8 @@ class TrainState:
     autocast_dtype: torch.dtype | None
     val_dataset: TokenDataset | None = None
     val_start: dict[str, Any] | None = None
+    flops_per_token: float = 0.0  # model training FLOPs per token at data.seq_len
+    peak_flops: tuple[float | None, float | None] = (None, None)  # measured, spec
     step: int = 0
     skipped_steps: int = 0
     stop_requested: bool = False
@@ -76,6 +80,12 @@ class TrainState:
     def device(self) -> torch.device:
         """The device of this rank."""
         return self.env.device
+
+    def autocast(self):
+        """The mixed-precision context of forward passes (a no-op in FP32)."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
 
 def _resolve_device(cfg: JobConfig) -> tuple[str, torch.dtype | None]:
@@ -148,6 +158,12 @@ def setup(cfg: JobConfig) -> TrainState:
     state = TrainState(
         cfg, model, optimizer, dataset, env, dims, mesh, autocast_dtype, val_dataset,
         val_dataset.state_dict() if val_dataset is not None else None,
+        flops_per_token=model.flops_per_token(cfg.data.seq_len),
+        peak_flops=(
+            peak_flops(torch.cuda.get_device_name(env.device))
+            if env.device.type == "cuda"
+            else (None, None)
+        ),
     )
     run_dir = Path(cfg.run_dir)
     if env.is_main:
@@ -256,14 +272,9 @@ def train_step(state: TrainState, microbatches: list[MicroBatch]) -> dict[str, A
     step = state.step + 1
     lr = lr_at(step, cfg.training)
     set_lr(state.optimizer, lr)
-    local_tokens = sum(int((mb.labels != IGNORE_INDEX).sum()) for mb in microbatches)
-    global_num_tokens = int(all_reduce(torch.tensor(local_tokens, device=state.device)))
-    autocast = (
-        torch.autocast(state.device.type, dtype=state.autocast_dtype)
-        if state.autocast_dtype is not None
-        else contextlib.nullcontext()
-    )
-    with autocast:
+    local_tokens = torch.stack([(mb.labels != IGNORE_INDEX).sum() for mb in microbatches])
+    global_num_tokens = int(all_reduce(local_tokens.sum()))
+    with state.autocast():
         result = run_microbatches(
             state.model, microbatches, global_num_tokens, ignore_index=IGNORE_INDEX
         )
@@ -293,19 +304,15 @@ def train_step(state: TrainState, microbatches: list[MicroBatch]) -> dict[str, A
     state.losses.append(loss)
     num_tokens = cfg.training.global_batch_size * cfg.data.seq_len
     tokens_per_s = num_tokens / elapsed
-    flops = state.model.flops_per_token(cfg.data.seq_len) * tokens_per_s
-    measured_peak, spec_peak = (
-        peak_flops(torch.cuda.get_device_name(state.device))
-        if state.device.type == "cuda"
-        else (None, None)
-    )
+    flops = state.flops_per_token * tokens_per_s
+    measured_peak, spec_peak = state.peak_flops
     world = state.env.world_size
     return {
         "step": step,
         "loss": loss,
         "aux_loss": float(result.aux_loss),
         # Unweighted router terms (equal on every rank: their statistics are global).
-        **{name: value for name, value in result.losses.items()},
+        **result.losses,
         "lr": lr,
         "grad_norm": grad_norm,
         "tokens_per_s": tokens_per_s,
@@ -334,14 +341,9 @@ def validate(state: TrainState) -> float:
     state.val_dataset.load_state_dict(state.val_start)
     ce_sum = torch.zeros((), dtype=torch.float64, device=state.device)
     num_tokens = torch.zeros((), dtype=torch.int64, device=state.device)
-    autocast = (
-        torch.autocast(state.device.type, dtype=state.autocast_dtype)
-        if state.autocast_dtype is not None
-        else contextlib.nullcontext()
-    )
     was_training = state.model.training
     state.model.eval()
-    with torch.no_grad(), autocast:
+    with torch.no_grad(), state.autocast():
         for _ in range(state.cfg.validation.steps):
             for mb in next_microbatches(state, state.val_dataset):
                 kwargs = {} if mb.positions is None else {"position_ids": mb.positions}
