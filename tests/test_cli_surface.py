@@ -15,7 +15,7 @@ NON_MODEL_KEYS = sorted([
     "data.on_exhausted", "data.path", "data.seq_len",
     "init_from", "log_every", "model_family", "run_dir", "seed",
     "metrics.tensorboard", "metrics.wandb_project",
-    "parallel.cp", "parallel.dp", "parallel.ep", "parallel.pp",
+    "parallel.cp", "parallel.dp", "parallel.ep", "parallel.ep_comm", "parallel.pp",
     "parallel.reshard_after_forward", "parallel.timeout_s",
     "profile.memory_snapshot", "profile.nvtx", "profile.trace_steps",
     "training.beta1", "training.beta2", "training.device", "training.dtype", "training.eps",

@@ -2,7 +2,7 @@
 """Overhead of the expert-parallel dispatcher against the local one, on one GPU.
 
 At ep = 1 the expert-parallel dispatcher still runs its whole path (deduplication,
-size exchange, three all-to-alls through NCCL, expert-side planning and pre-summing),
+size exchange, four all-to-alls through NCCL, expert-side planning and pre-summing),
 so the difference to the local dispatcher is its fixed cost. Shapes: one MoE layer of
 Qwen3-30B-A3B (D 2048, 128 experts, top-8, expert hidden 768) over 16k tokens, BF16,
 forward + backward of dispatch → experts → combine.
@@ -75,15 +75,19 @@ def main() -> None:
 
     local = _time(lambda: step(LocalDispatcher(args.experts)))
     ep = _time(lambda: step(ExpertParallelDispatcher(args.experts, dist.group.WORLD)))
+    ep_sync = _time(
+        lambda: step(ExpertParallelDispatcher(args.experts, dist.group.WORLD, async_comm=False))
+    )
     print(
         f"MoE layer fwd+bwd, T={args.tokens} D={args.dim} E={args.experts} K={args.topk} "
         f"F={args.hidden} bf16"
     )
-    print(f"  local dispatcher        {local:8.3f} ms")
-    print(
-        f"  expert-parallel (ep=1)  {ep:8.3f} ms   ratio {ep / local:.3f}x "
-        f"(overhead {ep - local:+.3f} ms)"
-    )
+    print(f"  local dispatcher                {local:8.3f} ms")
+    for name, ms in (("async", ep), ("sync", ep_sync)):
+        print(
+            f"  expert-parallel (ep=1, {name:5s}) {ms:8.3f} ms   ratio {ms / local:.3f}x "
+            f"(overhead {ms - local:+.3f} ms)"
+        )
     dist.destroy_process_group()
 
 

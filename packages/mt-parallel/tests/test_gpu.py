@@ -17,6 +17,7 @@ SHAPES = {"seq_len": 64, "global_batch": 4, "micro_batch": 2, "steps": 3, "seed"
 
 
 def test_one_gpu_nccl_run_with_the_expert_parallel_dispatcher_matches_plain_pytorch():
+    """Asynchronous all-to-alls on the side stream (the default)."""
     cases = [
         (replace(qwen3_moe.debug(), num_hidden_layers=2), [{}]),
         (replace(deepseek_v2.debug(), num_hidden_layers=2), [{}]),
@@ -31,4 +32,12 @@ def test_one_gpu_nccl_run_with_the_expert_parallel_dispatcher_matches_plain_pyto
     spawn(
         check_many, 1, cases, backend="nccl", device="cuda", force_expert_parallel=True,
         **SHAPES,
+    )
+
+
+def test_synchronous_expert_parallel_dispatch_on_one_gpu_matches_plain_pytorch():
+    cases = [(replace(qwen3_moe.debug(), num_hidden_layers=2), [{}])]
+    spawn(
+        check_many, 1, cases, backend="nccl", device="cuda", force_expert_parallel=True,
+        ep_async=False, **SHAPES,
     )

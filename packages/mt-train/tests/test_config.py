@@ -43,6 +43,8 @@ def test_bad_values_fail_validation_with_the_rule():
         resolve_config(get_recipe("debug"), overrides=["training.max_steps=ten"])
     with pytest.raises(ValueError, match="must look like key=value"):
         resolve_config(get_recipe("debug"), overrides=["training.max_steps"])
+    with pytest.raises(ValueError, match="parallel.ep_comm .'ring'. must be 'async' or 'sync'"):
+        resolve_config(get_recipe("debug"), overrides=["parallel.ep_comm=ring"])
 
 
 def test_toml_file_adjusts_the_recipe_and_command_line_wins(tmp_path):

@@ -18,6 +18,13 @@ combine (the reverse):
     5. all-to-all back; each token adds the partial sums of the ranks it visited.
 
 Every step is differentiable: the all-to-all's backward is the all-to-all the other way.
+
+Asynchronous mode (the default): the three dispatch all-to-alls (top-k ids, weights,
+rows) are launched together, on a side CUDA stream on GPU (gloo's worker thread on CPU),
+and the expert-side planning runs on the ids while the rows are still in flight; the
+compute stream waits on an event only where it reads a received tensor. The synchronous
+mode (`async_comm=False`, `parallel.ep_comm=sync`) runs each all-to-all to completion
+in turn on the compute stream; both give the same numbers.
 """
 
 from __future__ import annotations
@@ -49,6 +56,118 @@ class _AllToAll(torch.autograd.Function):
         grad_in = grad.new_empty((sum(in_splits), *grad.shape[1:]))
         dist.all_to_all_single(grad_in, grad.contiguous(), in_splits, out_splits, group=ctx.group)
         return grad_in, None, None, None
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The EP communication stream of a CUDA device (one per device), None off GPU."""
+    if device.type != "cuda":
+        return None
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+    return _SIDE_STREAMS[device]
+
+
+class _Launched:
+    """An all-to-all in flight: its output buffer and how to wait for it."""
+
+    def __init__(self, x: Tensor, out_splits: list[int], in_splits: list[int], group):
+        x = x.contiguous()
+        self.out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        self.stream = _side_stream(x.device)
+        if self.stream is None:
+            self.work = dist.all_to_all_single(
+                self.out, x, out_splits, in_splits, group=group, async_op=True
+            )
+            return
+        # The side stream starts after the producer of x; the collective's own stream
+        # follows the side stream; an event marks the end for the consumer.
+        self.stream.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(self.stream):
+            work = dist.all_to_all_single(
+                self.out, x, out_splits, in_splits, group=group, async_op=True
+            )
+            work.wait()  # the side stream (not the host) waits for the collective
+            self.event = torch.cuda.Event()
+            self.event.record(self.stream)
+        # The caching allocator must not reuse x or out before the side stream is done.
+        x.record_stream(self.stream)
+        self.out.record_stream(self.stream)
+        self.work = None
+
+    def wait(self) -> Tensor:
+        """Makes the current stream (CPU: the host) wait; returns the received rows."""
+        if self.stream is None:
+            self.work.wait()
+        else:
+            torch.cuda.current_stream(self.out.device).wait_event(self.event)
+        return self.out
+
+
+class _StartAllToAll(torch.autograd.Function):
+    """Launches an all-to-all; `_WaitAllToAll` hands its output to autograd."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, out_splits, in_splits, group, pending: PendingAllToAll):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        pending.launched = _Launched(x, out_splits, in_splits, group)
+        return pending.launched.out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        out_splits, in_splits = ctx.splits
+        grad_in = _Launched(grad, in_splits, out_splits, ctx.group).wait()
+        return grad_in, None, None, None, None
+
+
+class _WaitAllToAll(torch.autograd.Function):
+    """Waits for a launched all-to-all; the identity for autograd."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor, pending: PendingAllToAll) -> Tensor:
+        return pending.launched.wait().view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None
+
+
+class PendingAllToAll:
+    """A differentiable all-to-all in flight (from `start_all_to_all`)."""
+
+    def __init__(self, x: Tensor, out_splits: list[int], in_splits: list[int], group):
+        self.launched: _Launched | None = None
+        self._out = _StartAllToAll.apply(x, out_splits, in_splits, group, self)
+
+    def wait(self) -> Tensor:
+        """Waits for the rows (the compute stream waits, not the host, on GPU).
+
+        Returns:
+            The received rows [sum(out_splits), ...], grouped by source rank.
+        """
+        return _WaitAllToAll.apply(self._out, self)
+
+
+def start_all_to_all(
+    x: Tensor, out_splits: list[int], in_splits: list[int], group
+) -> PendingAllToAll:
+    """Launches a differentiable all-to-all of rows without waiting for it.
+
+    On GPU it runs on a side stream of the device; on CPU as an asynchronous gloo op.
+    Its backward (the all-to-all the other way) waits at once.
+
+    Args:
+        x: rows to send, grouped by destination rank [sum(in_splits), ...].
+        out_splits: rows to receive from each rank.
+        in_splits: rows to send to each rank.
+        group: the process group.
+
+    Returns:
+        A handle whose `wait()` gives the received rows.
+    """
+    return PendingAllToAll(x, out_splits, in_splits, group)
 
 
 def all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group) -> Tensor:
@@ -90,14 +209,17 @@ class ExpertParallelHandle:
 
 
 class ExpertParallelDispatcher:
-    """Dispatches tokens to the EP ranks that own their experts (synchronously).
+    """Dispatches tokens to the EP ranks that own their experts.
 
     Args:
         num_experts: E, experts of the layer over all EP ranks.
         group: the EP process group.
+        async_comm: overlap the dispatch all-to-alls with each other and with the
+            expert-side planning, on a side CUDA stream on GPU; False runs each
+            all-to-all to completion in turn (the synchronous fallback).
     """
 
-    def __init__(self, num_experts: int, group: dist.ProcessGroup):
+    def __init__(self, num_experts: int, group: dist.ProcessGroup, *, async_comm: bool = True):
         self.group = group
         self.ep = dist.get_world_size(group)
         self.ep_rank = dist.get_rank(group)
@@ -107,6 +229,14 @@ class ExpertParallelDispatcher:
             )
         self.num_experts = num_experts
         self.num_local = num_experts // self.ep
+        self.async_comm = async_comm
+
+    def _send(self, x: Tensor, out_splits: list[int], in_splits: list[int]):
+        """Starts an all-to-all; returns a zero-argument function giving its rows."""
+        if self.async_comm:
+            return start_all_to_all(x, out_splits, in_splits, self.group).wait
+        out = all_to_all(x, out_splits, in_splits, self.group)
+        return lambda: out
 
     def dispatch(self, routed: Routed) -> tuple[Tensor, Tensor, ExpertParallelHandle]:
         """Sends each token once to every EP rank that owns one of its experts.
@@ -130,26 +260,26 @@ class ExpertParallelDispatcher:
         dist.all_to_all_single(recv_counts, counts, group=self.group)
         recv_splits = recv_counts.tolist()
 
-        x_MD = all_to_all(
-            routed.hidden_TD.index_select(0, send_token_ids_N), recv_splits, send_splits,
-            self.group,
-        )
-        ids_MK = all_to_all(ids_TK.index_select(0, send_token_ids_N), recv_splits,
-                            send_splits, self.group)
-        weights_MK = all_to_all(weights_TK.index_select(0, send_token_ids_N), recv_splits,
-                                send_splits, self.group)
+        # Ids first: the expert-side plan needs only them, so it overlaps the rows' trip.
+        ids_MK = self._send(ids_TK.index_select(0, send_token_ids_N), recv_splits,
+                            send_splits)
+        weights_MK = self._send(weights_TK.index_select(0, send_token_ids_N), recv_splits,
+                                send_splits)
+        x_MD = self._send(routed.hidden_TD.index_select(0, send_token_ids_N), recv_splits,
+                          send_splits)
 
-        local_MK = ids_MK - self.ep_rank * self.num_local
+        local_MK = ids_MK() - self.ep_rank * self.num_local
         is_local_MK = (local_MK >= 0) & (local_MK < self.num_local)
         # Choices of other ranks' experts go to bucket e (= num_local), sorted last.
         local_MK = torch.where(is_local_MK, local_MK, self.num_local)
         plan = plan_dispatch(local_MK, self.num_local + 1)
         tokens_per_expert_e = plan.tokens_per_expert_E[: self.num_local]
         num_routed = int(tokens_per_expert_e.sum())
-        tokens_RD = permute(x_MD, plan)[:num_routed]  # [R, D]
+        tokens_RD = permute(x_MD(), plan)[:num_routed]  # [R, D]
+        weights = weights_MK()
         handle = ExpertParallelHandle(
             plan=plan,
-            weights_MK=weights_MK * is_local_MK.to(weights_MK.dtype),
+            weights_MK=weights * is_local_MK.to(weights.dtype),
             num_routed=num_routed,
             send_token_ids_N=send_token_ids_N,
             send_splits=send_splits,
@@ -172,7 +302,7 @@ class ExpertParallelDispatcher:
         zeros = expert_out_RD.new_zeros(dropped, expert_out_RD.shape[1])  # other ranks' choices
         padded = torch.cat([expert_out_RD, zeros])  # [M·K, D] in plan order
         partial_MD = unpermute(padded, handle.plan, handle.weights_MK)  # [M, D]
-        back_ND = all_to_all(partial_MD, handle.send_splits, handle.recv_splits, self.group)
+        back_ND = self._send(partial_MD, handle.send_splits, handle.recv_splits)()
         out_TD = back_ND.new_zeros(handle.num_tokens, back_ND.shape[1])
         return out_TD.index_add(0, handle.send_token_ids_N, back_ND)  # [T, D]
 
@@ -190,7 +320,9 @@ def _slice_experts(experts: GroupedExperts, first: int, count: int) -> None:
     experts.first_expert_id = experts.first_expert_id + first
 
 
-def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup) -> None:
+def apply_expert_parallel(
+    model: nn.Module, group: dist.ProcessGroup, *, async_comm: bool = True
+) -> None:
     """Gives each EP rank its slice of every MoE layer's experts and an EP dispatcher.
 
     Call it on the meta-device model, before materializing and `init_weights` (which
@@ -199,6 +331,7 @@ def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup) -> None:
     Args:
         model: an mt-models causal LM.
         group: the EP process group.
+        async_comm: asynchronous all-to-alls (see `ExpertParallelDispatcher`).
     """
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
     for layer in model.modules():
@@ -210,4 +343,4 @@ def apply_expert_parallel(model: nn.Module, group: dist.ProcessGroup) -> None:
             raise ValueError(f"parallel.ep ({ep}) must divide num_experts ({total})")
         local = total // ep
         _slice_experts(experts, rank * local, local)
-        layer.dispatcher = ExpertParallelDispatcher(total, group)
+        layer.dispatcher = ExpertParallelDispatcher(total, group, async_comm=async_comm)

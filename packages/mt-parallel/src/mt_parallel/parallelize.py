@@ -56,6 +56,7 @@ def parallelize(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = torch.float32,
     reshard_after_forward: bool = True,
+    ep_async: bool = True,
 ) -> ParallelMesh:
     """Applies expert, context and FSDP2 parallelism to a meta-device model, in place.
 
@@ -69,6 +70,8 @@ def parallelize(
         param_dtype: compute dtype of gathered parameters (FSDP mixed precision).
         reduce_dtype: dtype of gradient reductions.
         reshard_after_forward: FSDP2's reshard policy for decoder layers.
+        ep_async: asynchronous expert-parallel all-to-alls (a side CUDA stream on GPU);
+            False keeps the synchronous dispatch.
 
     Returns:
         The mesh, whose groups the caller uses for reductions and data slicing.
@@ -78,7 +81,7 @@ def parallelize(
     device = torch.device(device)
     mesh = build_mesh(dims, device.type)
     if dims.ep > 1:
-        apply_expert_parallel(model, mesh.group("ep"))
+        apply_expert_parallel(model, mesh.group("ep"), async_comm=ep_async)
     if dims.cp > 1:
         apply_context_parallel(model, mesh.group("cp"))
     model.to_empty(device=device)

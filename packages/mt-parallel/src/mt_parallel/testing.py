@@ -142,7 +142,7 @@ def _train(
 def compare_layout(
     model_config: Any, layout: dict[str, int], *, seq_len: int, global_batch: int,
     micro_batch: int, steps: int = 5, seed: int = 0, tol: float = 1e-5,
-    device: str = "cpu", force_expert_parallel: bool = False,
+    device: str = "cpu", force_expert_parallel: bool = False, ep_async: bool = True,
 ) -> dict[str, float]:
     """Asserts that a (dp, cp, ep) layout reproduces one process, on every rank.
 
@@ -158,6 +158,7 @@ def compare_layout(
         device: "cpu" (gloo) or "cuda" (NCCL; each rank on its own GPU).
         force_expert_parallel: use the expert-parallel dispatcher even when ep == 1
             (one GPU exercises its code path through NCCL that way).
+        ep_async: asynchronous expert-parallel all-to-alls (False: synchronous).
 
     Returns:
         The worst errors seen (for reporting).
@@ -180,8 +181,8 @@ def compare_layout(
     with torch.device("meta"):
         model = build_model(model_config)
     if force_expert_parallel and dims.world_size == 1:
-        apply_expert_parallel(model, dist.group.WORLD)
-    mesh = parallelize(model, dims, device, seed=seed)
+        apply_expert_parallel(model, dist.group.WORLD, async_comm=ep_async)
+    mesh = parallelize(model, dims, device, seed=seed, ep_async=ep_async)
     group = mesh.group("dp_cp_ep")
     par = _train(model, batches, micro_batch, dims, group, mesh.batch_rank, mesh.rank("cp"))
 
@@ -237,7 +238,8 @@ def check_dispatch_with_idle_rank(num_experts: int = 4, topk: int = 2, dim: int 
     experts of EP rank 0 only, so the other ranks receive zero tokens (a `spawn` target).
 
     Each rank routes its own tokens; its outputs and the gradients of its tokens, top-k
-    weights and (its slice of) the expert weights must equal the local computation.
+    weights and (its slice of) the expert weights must equal the local computation, with
+    asynchronous and with synchronous all-to-alls.
     """
     from mt_models import LocalDispatcher, Routed
     from mt_ops import GroupedLinear
@@ -268,10 +270,15 @@ def check_dispatch_with_idle_rank(num_experts: int = 4, topk: int = 2, dim: int 
         return out.detach(), h.grad, w.grad
 
     ref_out, ref_h, ref_w = run(LocalDispatcher(num_experts), full)
-    out, grad_h, grad_w = run(ExpertParallelDispatcher(num_experts, dist.group.WORLD), mine)
-    for name, a, b in (("output", out, ref_out), ("hidden grad", grad_h, ref_h),
-                       ("weight grad", grad_w, ref_w)):
-        assert rel_err(a, b) <= 1e-6, f"rank {rank}: {name} differs by {rel_err(a, b):.2e}"
+    for async_comm in (True, False):
+        mine.weight.grad = None
+        out, grad_h, grad_w = run(
+            ExpertParallelDispatcher(num_experts, dist.group.WORLD, async_comm=async_comm), mine
+        )
+        for name, a, b in (("output", out, ref_out), ("hidden grad", grad_h, ref_h),
+                           ("weight grad", grad_w, ref_w)):
+            err = rel_err(a, b)
+            assert err <= 1e-6, f"rank {rank}, {async_comm=}: {name} differs by {err:.2e}"
     # Expert weights: rank 0's gradient collects every rank's tokens; the others none.
     summed = full.weight.grad.clone()
     dist.all_reduce(summed)

@@ -229,6 +229,8 @@ class ParallelConfig:
         cp: context-parallel size (zigzag sequence chunks).
         ep: expert-parallel size; must divide the number of experts.
         reshard_after_forward: FSDP2 frees gathered layer weights after forward.
+        ep_comm: "async" overlaps the expert-parallel all-to-alls (a side CUDA stream on
+            GPU); "sync" runs each to completion in turn (a fallback; same numbers).
         timeout_s: a collective that waits longer than this ends the run with an error.
     """
 
@@ -237,6 +239,7 @@ class ParallelConfig:
     cp: int = 1
     ep: int = 1
     reshard_after_forward: bool = True
+    ep_comm: str = "async"
     timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
@@ -245,6 +248,8 @@ class ParallelConfig:
                 raise ValueError(f"parallel.{name} ({getattr(self, name)}) must be >= 1")
         if self.dp < 1 and self.dp != -1:
             raise ValueError(f"parallel.dp ({self.dp}) must be >= 1, or -1 to fill the world")
+        if self.ep_comm not in ("async", "sync"):
+            raise ValueError(f"parallel.ep_comm ({self.ep_comm!r}) must be 'async' or 'sync'")
         if self.timeout_s <= 0:
             raise ValueError(f"parallel.timeout_s ({self.timeout_s}) must be > 0")
 

@@ -147,6 +147,7 @@ def setup(cfg: JobConfig) -> TrainState:
         mesh = parallelize(
             model, dims, env.device, seed=cfg.seed,
             param_dtype=autocast_dtype, reshard_after_forward=par.reshard_after_forward,
+            ep_async=par.ep_comm == "async",
         )
     else:
         model.to_empty(device=env.device)
