@@ -6,6 +6,8 @@ layout listed below, for the three families' debug presets: identical routing, l
 every gradient within 1e-5 of one process (mt_parallel.testing.compare_layout).
 Part 2 (training, BF16): `mt_train pretrain debug` for 10 steps under torchrun on N GPUs
 in several layouts against the same run on one GPU; per-step relative loss difference.
+With `--real-layers L`, also the three full-size recipes cut to L layers (sequence 512,
+8 sequences a step) in the first layout of each size, against one GPU.
 
 Usage, from the repository root on a GPU machine:
     PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python tools/bench/multi_gpu.py [--out DIR]
@@ -57,12 +59,26 @@ def _real_presets(layers: int):
     ]
 
 
-def _train(nproc: int, run_dir: Path, overrides: list[str]) -> list[float]:
+def _real_recipes(layers: int) -> dict[str, list[str]]:
+    common = [f"model.num_hidden_layers={layers}", "data.seq_len=512",
+              "training.global_batch_size=8", "training.micro_batch_size=8"]
+    kinds = json.dumps(["sliding_attention", "full_attention"] * (layers // 2))
+    return {
+        "qwen3-30b-a3b": common,
+        "deepseek-v2-lite": common,
+        "gpt-oss-20b": [*common, f"model.layer_types={kinds}"],
+    }
+
+
+def _train(nproc: int, run_dir: Path, overrides: list[str], recipe: str = "debug"
+           ) -> list[float]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", "-m", "mt_train", "pretrain", "debug",
+           f"--nproc-per-node={nproc}", "-m", "mt_train", "pretrain", recipe,
            "training.max_steps=10", "training.warmup_steps=2", f"run_dir={run_dir}",
            "checkpoint.interval=0", *overrides]
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-3000:]}")
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line)["loss"] for line in lines]
 
@@ -73,7 +89,9 @@ def main() -> int:
     parser.add_argument("--skip-equivalence", action="store_true")
     parser.add_argument("--skip-training", action="store_true")
     parser.add_argument("--real-layers", type=int, default=0,
-                        help="also check the real presets cut to this many layers (even)")
+                        help="also train the real recipes cut to this many layers (even)")
+    parser.add_argument("--real-fp32", action="store_true",
+                        help="with --real-layers, also the FP32 equivalence of the real presets")
     args = parser.parse_args()
     gpus = torch.cuda.device_count()
     sizes = [n for n in (2, 4, 8) if n <= gpus]
@@ -86,7 +104,7 @@ def main() -> int:
                   global_batch=2 * n, micro_batch=n, steps=3, seed=1)
             results["equivalence"][n] = "pass (fp32, loss and grads within 1e-5)"
             print(f"[equivalence] {n} GPUs, layouts {LAYOUTS[n]}: pass", flush=True)
-    for n in sizes if args.real_layers else []:
+    for n in sizes if args.real_layers and args.real_fp32 else []:
         cases = [(cfg, LAYOUTS[n][:2]) for cfg in _real_presets(args.real_layers)]
         spawn(check_many, n, cases, backend="nccl", device="cuda", seq_len=64,
               global_batch=2 * n, micro_batch=n, steps=1, seed=1)
@@ -107,6 +125,20 @@ def main() -> int:
                 results["training"][f"{n}:{layout}"] = worst
                 verdict = "ok" if worst <= 5e-3 else "FAIL (> 5e-3)"
                 print(f"[training] {n} GPUs {layout}: max rel loss diff {worst:.2e} {verdict}",
+                      flush=True)
+        real = _real_recipes(args.real_layers) if args.real_layers and sizes else {}
+        for recipe, overrides in real.items():
+            one = _train(1, Path(tmp) / f"{recipe}-one", overrides, recipe)
+            for n in sizes:
+                layout = TRAIN_LAYOUTS[n][0]
+                losses = _train(n, Path(tmp) / f"{recipe}-n{n}", [*overrides, *layout.split()],
+                                recipe)
+                worst = max(abs(a - b) / abs(b) for a, b in zip(losses, one, strict=True))
+                results["training"][f"{recipe}x{args.real_layers}:{n}:{layout}"] = worst
+                verdict = "ok" if worst <= 5e-3 else "FAIL (> 5e-3)"
+                print(f"[training] {recipe} ({args.real_layers} layers) {n} GPUs {layout}: "
+                      f"losses {[round(x, 4) for x in losses]} vs one GPU "
+                      f"{[round(x, 4) for x in one]}: max rel diff {worst:.2e} {verdict}",
                       flush=True)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
