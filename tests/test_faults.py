@@ -154,3 +154,60 @@ def test_a_rank_that_never_answers_ends_the_run_with_a_clear_error(tmp_path):
     assert result.returncode == 1, result.stderr[-3000:]
     assert "timed out" in result.stderr and "parallel.timeout_s" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def _worker_of_rank(launcher_pid: int, rank: int) -> int | None:
+    """The pid of torchrun's worker process with RANK=rank, if it has started."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+        except OSError:
+            continue
+        if parent == launcher_pid and f"RANK={rank}".encode() in environ:
+            return int(entry)
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds torchrun's workers in /proc")
+def test_a_rank_that_hangs_mid_run_ends_the_run_with_a_clear_error(tmp_path):
+    import time
+
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        "-m", "mt_train", "pretrain", "tiny", "training.max_steps=100000",
+        "parallel.timeout_s=5", "checkpoint.interval=0", f"run_dir={tmp_path}",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                                text=True)
+    stopped = None
+    try:
+        deadline = time.monotonic() + 120
+        metrics = tmp_path / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert launcher.poll() is None, launcher.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the run did not reach step 2"
+            time.sleep(0.2)
+        stopped = _worker_of_rank(launcher.pid, 1)
+        assert stopped is not None, "rank 1's worker was not found"
+        os.kill(stopped, signal.SIGSTOP)  # rank 1 hangs mid-run; rank 0 waits on it
+        rank0 = _worker_of_rank(launcher.pid, 0)
+        deadline = time.monotonic() + 60
+        while rank0 is not None and os.path.exists(f"/proc/{rank0}"):
+            with open(f"/proc/{rank0}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+            assert time.monotonic() < deadline, "rank 0 did not give up on the hung rank"
+            time.sleep(0.2)
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGKILL)
+        _, stderr = launcher.communicate(timeout=120)
+    assert launcher.returncode != 0
+    assert "timed out" in stderr and "parallel.timeout_s" in stderr, stderr[-3000:]
