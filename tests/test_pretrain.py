@@ -145,3 +145,27 @@ def test_mt_train_command_runs_and_resumes(tmp_path):
     assert again.returncode == 0, again.stderr
     assert "step 3/3" in again.stdout and "step 1/3" not in again.stdout
     assert "resumed from" in again.stderr
+
+
+def test_weights_and_biases_gets_every_step_in_an_offline_run(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    from wandb.sdk.wandb_run import Run
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logged = []
+    real_log = Run.log
+
+    def spy(self, data, step=None, **kwargs):
+        logged.append((step, dict(data)))
+        return real_log(self, data, step=step, **kwargs)
+
+    monkeypatch.setattr(Run, "log", spy)
+    pretrain(_cfg(tmp_path, "training.max_steps=3", "metrics.wandb_project=mt-test"))
+    assert wandb.run is None, "the W&B run must be finished at the end"
+    rows = _metrics(tmp_path)
+    assert [step for step, _ in logged] == [row["step"] for row in rows]
+    for (_, data), row in zip(logged, rows, strict=True):
+        assert data["loss"] == row["loss"] and data["grad_norm"] == row["grad_norm"]
+    (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    assert run_file.stat().st_size > 0
