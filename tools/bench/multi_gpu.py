@@ -8,6 +8,10 @@ Part 2 (training, BF16): `mt_train pretrain debug` for 10 steps under torchrun o
 in several layouts against the same run on one GPU; per-step relative loss difference.
 With `--real-layers L`, also the three full-size recipes cut to L layers (sequence 512,
 8 sequences a step) in the first layout of each size, against one GPU.
+Part 3 (throughput, `--throughput`): the qwen3-30b-a3b recipe (sequence 4096) on all
+GPUs with EP over all of them and FSDP for the rest, BF16 and FP8: the median over 10
+steps after 3 warm-up steps of tokens/s per GPU, model TFLOP/s per GPU, MFU and peak
+memory. `--throughput-layers` cuts the model (the whole 48 layers need 8 H200s).
 
 Usage, from the repository root on a GPU machine:
     PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python tools/bench/multi_gpu.py [--out DIR]
@@ -70,17 +74,33 @@ def _real_recipes(layers: int) -> dict[str, list[str]]:
     }
 
 
-def _train(nproc: int, run_dir: Path, overrides: list[str], recipe: str = "debug"
-           ) -> list[float]:
+def _train(nproc: int, run_dir: Path, overrides: list[str], recipe: str = "debug",
+           steps: int = 10, key: str = "loss") -> list:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", "-m", "mt_train", "pretrain", recipe,
-           "training.max_steps=10", "training.warmup_steps=2", f"run_dir={run_dir}",
+           f"training.max_steps={steps}", "training.warmup_steps=2", f"run_dir={run_dir}",
            "checkpoint.interval=0", *overrides]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-3000:]}")
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line)["loss"] for line in lines]
+    rows = [json.loads(line) for line in lines]
+    return rows if key == "*" else [row[key] for row in rows]
+
+
+def _throughput(gpus: int, layers: int, batch: int, run_dir: Path, precision: list[str]
+                ) -> dict:
+    """Median step metrics of qwen3-30b-a3b over steps 4..13 on all GPUs."""
+    overrides = [f"parallel.ep={gpus}", f"model.num_hidden_layers={layers}",
+                 f"training.global_batch_size={batch}", "training.micro_batch_size=8",
+                 "log_every=1", *precision]
+    rows = _train(gpus, run_dir, overrides, "qwen3-30b-a3b", steps=13, key="*")[3:]
+    median = {}
+    for key in ("tokens_per_s_per_device", "tflops_per_device", "mfu", "peak_memory_gb",
+                "step_time_s", "loss"):
+        values = sorted(row[key] for row in rows if row.get(key) is not None)
+        median[key] = values[len(values) // 2] if values else None
+    return median
 
 
 def main() -> int:
@@ -92,6 +112,12 @@ def main() -> int:
                         help="also train the real recipes cut to this many layers (even)")
     parser.add_argument("--real-fp32", action="store_true",
                         help="with --real-layers, also the FP32 equivalence of the real presets")
+    parser.add_argument("--throughput", action="store_true",
+                        help="also measure qwen3-30b-a3b training throughput, BF16 and FP8")
+    parser.add_argument("--throughput-layers", type=int, default=48,
+                        help="layers of the throughput model (48: the whole model)")
+    parser.add_argument("--throughput-batch", type=int, default=128,
+                        help="global batch in sequences (micro-batches of 8 over all GPUs)")
     args = parser.parse_args()
     gpus = torch.cuda.device_count()
     sizes = [n for n in (2, 4, 8) if n <= gpus]
@@ -139,6 +165,17 @@ def main() -> int:
                 print(f"[training] {recipe} ({args.real_layers} layers) {n} GPUs {layout}: "
                       f"losses {[round(x, 4) for x in losses]} vs one GPU "
                       f"{[round(x, 4) for x in one]}: max rel diff {worst:.2e} {verdict}",
+                      flush=True)
+    if args.throughput:
+        results["throughput"] = {}
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, precision in (("bf16", []), ("fp8", ["precision.fp8=true"])):
+                median = _throughput(gpus, args.throughput_layers, args.throughput_batch,
+                                     Path(tmp) / name, precision)
+                results["throughput"][name] = median
+                print(f"[throughput] qwen3-30b-a3b x{args.throughput_layers} layers, {gpus} "
+                      f"GPU(s), ep={gpus}, seq 4096, batch {args.throughput_batch}, {name}: "
+                      + ", ".join(f"{k} {v:.4g}" for k, v in median.items() if v is not None),
                       flush=True)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
