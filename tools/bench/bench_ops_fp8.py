@@ -7,7 +7,12 @@ Each line prints a ratio against a baseline measured in the same run:
   and PyTorch's own rowwise FP8 (``torch._scaled_mm`` / ``torch._scaled_grouped_mm``);
 - the grouped expert MLP (gate, up, SwiGLU, down; forward + dgrad + wgrad, activation
   quantization included, weights from a warm per-step cache) in FP8 against BF16, on the
-  expert shapes of Qwen3-30B-A3B and DeepSeek-V2-Lite at 16k tokens, balanced and skewed.
+  expert shapes of Qwen3-30B-A3B and DeepSeek-V2-Lite at 16k tokens, balanced and skewed:
+  composed from FP8GroupedLinear modules, and as the fused ``fp8_swiglu_experts``;
+- fused SwiGLU + quantization against SwiGLU then quantization.
+
+``--sections`` picks parts (default all); leaving out ``sweep`` (or ``--skip-sweep``) keeps
+the configs in the modules instead of sweeping them first.
 
 Run: ``PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python3 tools/bench/bench_ops_fp8.py``
 """
@@ -19,14 +24,17 @@ from triton.testing import do_bench
 
 import mt_ops.fp8_gemm as fp8_gemm
 import mt_ops.fp8_quant as fp8_quant
-from mt_ops import GroupedLinear, swiglu
+import mt_ops.fp8_swiglu as fp8_swiglu
+from mt_ops import GroupedLinear, fp8_swiglu_experts, swiglu
 from mt_ops.fp8_gemm import (
     fp8_grouped_gemm,
+    fp8_grouped_gemm_sum,
     fp8_grouped_wgrad,
     fp8_grouped_wgrad_reference,
 )
 from mt_ops.fp8_linear import FP8GroupedLinear, FP8WeightCache
 from mt_ops.fp8_quant import quantize_1x128, quantize_1x128_dual, quantize_128x128, row_tiles
+from mt_ops.fp8_swiglu import swiglu_backward_quantize_1x128, swiglu_quantize_1x128
 
 # name: (experts, top-k, hidden D, expert hidden F)
 SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "deepseek-v2-lite": (64, 6, 2048, 1408)}
@@ -60,39 +68,127 @@ def quantization(copy_gbs: float) -> None:
     gbs = (4 * w.numel() + 2 * w.numel()) / ms / 1e6
     print(f"quant 128x128+T fp32 [128,1536,2048]: {ms * 1e3:8.1f} us {gbs:7.0f} GB/s = "
           f"{gbs / copy_gbs:.2f}x copy")  # fmt: skip
+    # Fused SwiGLU + quantization on the Qwen3 expert hidden size, 16k tokens x top-8.
+    rows_r, hidden = 131072, 768
+    tiles = row_tiles(counts_for(rows_r, 128, False), rows_r)
+    gate, up, dh = (torch.randn(rows_r, hidden, device="cuda", dtype=torch.bfloat16)
+                    for _ in range(3))  # fmt: skip
+    m = rows_r * hidden
+    fused_f = bench_ms(lambda: swiglu_quantize_1x128(gate, up, tiles=tiles))
+    unfused_f = bench_ms(lambda: quantize_1x128_dual(swiglu(gate, up), tiles=tiles))
+    fused_b = bench_ms(lambda: swiglu_backward_quantize_1x128(dh, gate, up, tiles=tiles))
+    g_, u_ = gate.clone().requires_grad_(True), up.clone().requires_grad_(True)
+    h_ = swiglu(g_, u_)  # the graph is built once: the timing holds only the backward
+
+    def unfused_bwd():
+        dgate, dup = torch.autograd.grad(h_, (g_, u_), dh, retain_graph=True)
+        quantize_1x128_dual(dgate, tiles=tiles)
+        quantize_1x128_dual(dup, tiles=tiles)
+
+    unfused_b = bench_ms(unfused_bwd)
+    for name, fused, unfused, nbytes in (
+        ("swiglu+quant fwd [131072,768]", fused_f, unfused_f, 4 * m + 2 * m),
+        ("swiglu+quant bwd [131072,768]", fused_b, unfused_b, 6 * m + 4 * m),
+    ):
+        gbs = nbytes / fused / 1e6
+        print(f"{name}: fused {fused * 1e3:7.1f} us ({gbs:5.0f} GB/s = {gbs / copy_gbs:.2f}x "
+              f"copy) | unfused {unfused * 1e3:7.1f} us = {unfused / fused:.2f}x")  # fmt: skip
+
+
+def _best(label, candidates, run, config):
+    """Times ``run()`` under each candidate setting of ``config``; keeps the fastest."""
+    timings = []
+    for cand in candidates:
+        config.update(cand)
+        try:
+            ms = bench_ms(run)
+        except Exception as err:  # noqa: BLE001 - a config may not compile; report it
+            print(f"sweep {label} {cand}: failed {type(err).__name__}: {err}"[:300])
+            continue
+        timings.append((ms, cand))
+        print(f"sweep {label} {cand}: {ms * 1e3:8.1f} us")
+    ms, cand = min(timings, key=lambda t: t[0])
+    config.update(cand)
+    return ms
+
+
+def dual_store_variants() -> None:
+    """Times the dual quantizers with each transposed-store pattern and checks their bytes.
+
+    Restores the module defaults afterwards, so the sections that follow measure those.
+    """
+    qc, sc = fp8_quant.QUANT_CONFIG, fp8_swiglu.SWIGLU_QUANT_CONFIG
+    saved = dict(qc), dict(sc)
+    x = torch.randn(65536, 4096, device="cuda", dtype=torch.bfloat16)
+    small = torch.randn(8192, 2048, device="cuda", dtype=torch.bfloat16) * 10
+    counts = counts_for(8192, 16, True)
+    tiles_small = row_tiles(counts, 8192)
+    ref_rows, ref_cols = fp8_quant.quantize_1x128_dual_reference(small, tiles=tiles_small)
+    gate, up = (torch.randn(131072, 768, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    tiles = row_tiles(counts_for(131072, 128, False), 131072)
+    for trans in (False, True):
+        for warps in (4, 8):
+            qc.update(dual_trans_store=trans, dual_warps=warps)
+            rows, cols = quantize_1x128_dual(small, tiles=tiles_small)
+            exact = torch.equal(rows.data.view(torch.uint8), ref_rows.data.view(torch.uint8))
+            exact &= torch.equal(cols.data.view(torch.uint8), ref_cols.data.view(torch.uint8))
+            exact &= torch.equal(cols.scale, ref_cols.scale)
+            dual = bench_ms(lambda: quantize_1x128_dual(x))
+            fwd = bench_ms(lambda: swiglu_quantize_1x128(gate, up, tiles=tiles))
+            bwd = bench_ms(lambda: swiglu_backward_quantize_1x128(gate, gate, up, tiles=tiles))
+            print(f"dual store trans={trans} warps={warps}: bit-exact {exact} | dual "
+                  f"[65536,4096] {dual * 1e3:6.1f} us | swiglu+quant fwd {fwd * 1e3:6.1f} us, "
+                  f"bwd {bwd * 1e3:6.1f} us (swiglu warps {sc})")  # fmt: skip
+    qc.update(saved[0])
+    sc.update(saved[1])
 
 
 def sweep() -> None:
-    """Times wgrad tile shapes on Qwen3-30B-A3B shapes and keeps the fastest.
+    """Times kernel settings on the bench's shapes and keeps the fastest of each.
 
-    Earlier sweeps on the H200 fixed the other settings (their results are noted beside
-    ``QUANT_CONFIG``, ``GEMM_CONFIG`` and ``WGRAD_CONFIG``).
+    Results set the defaults beside ``QUANT_CONFIG``, ``SWIGLU_QUANT_CONFIG``,
+    ``GEMM_CONFIG`` and ``WGRAD_CONFIG``.
     """
+    x = torch.randn(65536, 4096, device="cuda", dtype=torch.bfloat16)
+    qc = fp8_quant.QUANT_CONFIG
+    rows_cands = ((32, 1, 4), (16, 8, 4), (8, 8, 4), (16, 4, 4), (32, 8, 8), (8, 16, 8))
+    _best("quant rows", [{"rows_block_m": bm, "rows_col_tiles": ct, "rows_warps": w}
+                         for bm, ct, w in rows_cands],
+          lambda: quantize_1x128(x), qc)  # fmt: skip
+    _best("quant dual", [{"dual_warps": w} for w in (4, 8)], lambda: quantize_1x128_dual(x), qc)
+    del x
     num_experts, topk, dim, hidden = SHAPES["qwen3-30b-a3b"]
     rows = 16384 * topk
     counts = counts_for(rows, num_experts, False)
     tiles = row_tiles(counts, rows)
+    gate, up = (torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    sc = fp8_swiglu.SWIGLU_QUANT_CONFIG
+    _best("swiglu quant fwd", [{"fwd_warps": w} for w in (4, 8)],
+          lambda: swiglu_quantize_1x128(gate, up, tiles=tiles), sc)  # fmt: skip
+    _best("swiglu quant bwd", [{"bwd_warps": w} for w in (4, 8, 16)],
+          lambda: swiglu_backward_quantize_1x128(gate, gate, up, tiles=tiles), sc)  # fmt: skip
     x = torch.randn(rows, dim, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
-    _, xqt = quantize_1x128_dual(x, tiles=tiles)
-    _, dyqt = quantize_1x128_dual(dy, tiles=tiles)
+    w = torch.randn(num_experts, hidden, dim, device="cuda") * dim**-0.5
+    xq, xqt = quantize_1x128_dual(x, tiles=tiles)
+    (wq, _) = quantize_128x128(w)
     flops = 2 * rows * dim * hidden
+    gemm_cands = [{"N_FASTEST": nf, "num_stages": s, "num_warps": 8}
+                  for nf, s in ((False, 4), (True, 4), (True, 3), (True, 5))]  # fmt: skip
+    ms = _best("gemm fprop", gemm_cands, lambda: fp8_grouped_gemm(xq, wq, tiles, backend="triton"),
+               fp8_gemm.GEMM_CONFIG)  # fmt: skip
+    print(f"  fprop best {flops / ms / 1e9:.0f} TFLOP/s")
+    _, dyqt = quantize_1x128_dual(gate, tiles=tiles)
     ref_w = fp8_grouped_wgrad_reference(dyqt, xqt, tiles)
-    timings = []
-    for block_m, block_n, stages in ((128, 128, 3), (128, 128, 4), (128, 256, 3), (64, 128, 4)):
-        cfg = {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_stages": stages, "num_warps": 8}
-        fp8_gemm.WGRAD_CONFIG.update(cfg)
-        try:
-            ms = bench_ms(lambda: fp8_grouped_wgrad(dyqt, xqt, tiles, backend="triton"))
-            got = fp8_grouped_wgrad(dyqt, xqt, tiles, backend="triton")
-            err = float((got - ref_w).norm() / ref_w.norm())
-        except Exception as e:  # noqa: BLE001
-            print(f"sweep wgrad {cfg}: failed {type(e).__name__}")
-            continue
-        print(f"sweep wgrad {cfg}: {flops / ms / 1e9:.0f} TFLOP/s, err vs emulation {err:.1e}")
-        timings.append((ms, cfg))
-    fp8_gemm.WGRAD_CONFIG.update(min(timings, key=lambda t: t[0])[1])
-    print("chosen:", fp8_quant.QUANT_CONFIG, fp8_gemm.GEMM_CONFIG, fp8_gemm.WGRAD_CONFIG)
+    wgrad_cands = ((64, 128, 4, 8), (64, 128, 3, 4), (64, 128, 5, 8), (128, 128, 4, 8),
+                   (64, 256, 3, 8), (128, 64, 4, 8))  # fmt: skip
+    ms = _best("wgrad", [{"BLOCK_M": bm, "BLOCK_N": bn, "num_stages": s, "num_warps": nw}
+                         for bm, bn, s, nw in wgrad_cands],
+               lambda: fp8_grouped_wgrad(dyqt, xqt, tiles, backend="triton"),
+               fp8_gemm.WGRAD_CONFIG)  # fmt: skip
+    got = fp8_grouped_wgrad(dyqt, xqt, tiles, backend="triton")
+    err = float((got - ref_w).norm() / ref_w.norm())
+    print(f"  wgrad best {flops / ms / 1e9:.0f} TFLOP/s, err vs emulation {err:.1e}")
+    print("chosen:", fp8_quant.QUANT_CONFIG, sc, fp8_gemm.GEMM_CONFIG, fp8_gemm.WGRAD_CONFIG)
 
 
 def counts_for(num_rows: int, num_experts: int, skewed: bool) -> torch.Tensor:
@@ -168,6 +264,19 @@ def grouped_gemms(name: str, num_tokens: int, skewed: bool) -> None:
     ours_w = bench_ms(lambda: fp8_grouped_wgrad(dyqt, xqt, tiles, backend="triton"))
     line += f" || wgrad bf16 {flops / bf16_w / 1e9:5.0f} | ours fp8 {flops / ours_w / 1e9:5.0f}"
     line += f" ({bf16_w / ours_w:.2f}x)"
+    # dgrad of gate + up: dx = dgate Wg + dup Wu, BF16 two GEMMs + add vs one FP8 sum GEMM.
+    w2 = torch.randn_like(w)
+    dy2 = torch.randn_like(dy)
+    bf16_d = bench_ms(
+        lambda: torch._grouped_mm(dy, w, offs=offs) + torch._grouped_mm(dy2, w2, offs=offs)
+    )
+    dyq, _ = quantize_1x128_dual(dy, tiles=tiles)
+    dy2q, _ = quantize_1x128_dual(dy2, tiles=tiles)
+    (_, wqt) = quantize_128x128(w.float().contiguous(), transpose=True)
+    (_, w2qt) = quantize_128x128(w2.float().contiguous(), transpose=True)
+    ours_d = bench_ms(lambda: fp8_grouped_gemm_sum(dyq, wqt, dy2q, w2qt, tiles, backend="triton"))
+    line += f" || dgrad gate+up bf16 {2 * flops / bf16_d / 1e9:5.0f} | ours fp8 sum "
+    line += f"{2 * flops / ours_d / 1e9:5.0f} ({bf16_d / ours_d:.2f}x)"
     print(line)
 
 
@@ -197,6 +306,14 @@ def expert_mlp(name: str, num_tokens: int, skewed: bool) -> None:
         gate, up, down = projs
         out = down(swiglu(gate(x, counts), up(x, counts)), counts)
         out.backward(grad)
+        x.grad = None  # in a model dx flows on to the permute; nothing accumulates it
+        for proj in projs:
+            proj.weight.grad = None
+
+    def fused_step(projs):
+        gate, up, down = projs
+        fp8_swiglu_experts(x, counts, gate, up, down).backward(grad)
+        x.grad = None
         for proj in projs:
             proj.weight.grad = None
 
@@ -205,20 +322,22 @@ def expert_mlp(name: str, num_tokens: int, skewed: bool) -> None:
     fp8 = build(True, cache)
     ms_bf16 = bench_ms(lambda: step(bf16))
     ms_fp8 = bench_ms(lambda: step(fp8))  # weights quantized once (warm cache)
-    cold = bench_ms(lambda: (cache.invalidate(), step(fp8)))
+    ms_fused = bench_ms(lambda: fused_step(fp8))
+    cold = bench_ms(lambda: (cache.invalidate(), fused_step(fp8)))
     if name == "qwen3-30b-a3b" and not skewed:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            step(fp8)
-            torch.cuda.synchronize()
-        print(
-            prof.key_averages().table(
-                sort_by="cuda_time_total", row_limit=14, max_name_column_width=50
-            )
-        )
+        for label, fn in (("modules", step), ("fused", fused_step)):
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                fn(fp8)
+                torch.cuda.synchronize()
+            print(f"profile of one FP8 {label} MLP step ({name}, balanced):")
+            print(prof.key_averages().table(
+                sort_by="cuda_time_total", row_limit=16, max_name_column_width=60
+            ))  # fmt: skip
     print(
         f"{name:17s} {'skewed' if skewed else 'balanced':8s} expert MLP fwd+bwd T={num_tokens}: "
-        f"bf16 {ms_bf16:6.2f} ms ({flops / ms_bf16 / 1e9:4.0f} TFLOP/s) | fp8 {ms_fp8:6.2f} ms "
-        f"({flops / ms_fp8 / 1e9:4.0f}) = {ms_bf16 / ms_fp8:.2f}x bf16 | fp8 incl. weight "
+        f"bf16 {ms_bf16:6.2f} ms ({flops / ms_bf16 / 1e9:4.0f} TFLOP/s) | fp8 modules "
+        f"{ms_fp8:6.2f} ms = {ms_bf16 / ms_fp8:.2f}x | fp8 fused {ms_fused:6.2f} ms "
+        f"({flops / ms_fused / 1e9:4.0f}) = {ms_bf16 / ms_fused:.2f}x bf16 | fused incl. weight "
         f"quantization {cold:6.2f} ms = {ms_bf16 / cold:.2f}x"
     )
 
@@ -226,19 +345,32 @@ def expert_mlp(name: str, num_tokens: int, skewed: bool) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument(
+        "--sections",
+        default="sweep,variants,quant,dense,grouped,mlp",
+        help="comma-separated subset of: sweep,variants,quant,dense,grouped,mlp",
+    )
+    parser.add_argument("--skip-sweep", action="store_true", help="same as leaving out 'sweep'")
     args = parser.parse_args()
+    chosen = set(args.sections.split(",")) - ({"sweep"} if args.skip_sweep else set())
     print(torch.cuda.get_device_name(), torch.__version__)
     copy_gbs = copy_bandwidth()
     print(f"copy bandwidth (read + write): {copy_gbs:.0f} GB/s")
     print("cuBLAS blockwise _scaled_mm scale layout:", fp8_gemm._scaled_mm_scale_layout(0))
     print("probe errors:", fp8_gemm.SCALED_MM_PROBE_ERRORS)
-    sections = [sweep, lambda: quantization(copy_gbs), dense_gemms]
-    for fn in (grouped_gemms, expert_mlp):
+    named = [
+        ("sweep", sweep),
+        ("variants", dual_store_variants),
+        ("quant", lambda: quantization(copy_gbs)),
+        ("dense", dense_gemms),
+    ]
+    for key, fn in (("grouped", grouped_gemms), ("mlp", expert_mlp)):
         for name in SHAPES:
             for skewed in (False, True):
-                sections.append(
-                    lambda fn=fn, name=name, skewed=skewed: fn(name, args.tokens, skewed)
+                named.append(
+                    (key, lambda fn=fn, name=name, skewed=skewed: fn(name, args.tokens, skewed))
                 )
+    sections = [fn for key, fn in named if key in chosen]
     for section in sections:
         try:
             section()

@@ -8,6 +8,8 @@ from mt_ops.fp8_gemm import (
     fp8_backend,
     fp8_grouped_gemm,
     fp8_grouped_gemm_reference,
+    fp8_grouped_gemm_sum,
+    fp8_grouped_gemm_sum_reference,
     fp8_grouped_wgrad,
     fp8_grouped_wgrad_reference,
 )
@@ -57,6 +59,39 @@ def test_grouped_gemm_kernel_equals_emulation_in_interpreter(scale_format, trito
         got = fp8_grouped_gemm(a, b, tiles, out_dtype=torch.float32)
         expected = fp8_grouped_gemm_reference(a, b, tiles, out_dtype=torch.float32)
         assert _relative(got, expected) <= 1e-5
+
+
+def _second_pair(p, scale_format):
+    """A second (rows, weight) pair over the same tiles with another K, as gate + up."""
+    gen = torch.Generator().manual_seed(5)
+    num_rows, n_dim = p["dy"].shape[0], p["x"].shape[1]
+    a2 = torch.randn(num_rows, 288, generator=gen)
+    w2 = torch.randn(p["w"].shape[0], n_dim, 288, generator=gen) / 17
+    a2q, _ = quantize_1x128_dual(a2.to(p["x"].device), tiles=p["tiles"], scale_format=scale_format)
+    w2q, _ = quantize_128x128(w2.to(p["x"].device), scale_format=scale_format)
+    return a2q, w2q
+
+
+@pytest.mark.parametrize("scale_format", ["fp32", "e8m0"])
+def test_grouped_gemm_sum_kernel_equals_emulation_of_both_products_in_interpreter(
+    scale_format, triton_on_cpu
+):
+    p = _problem([0, 130, 3, 0, 67], 192, 160, scale_format)
+    a2q, w2q = _second_pair(p, scale_format)
+    # dgrad shape: dy [R, 160] @ wqt [G, 192, 160]ᵀ plus a2 [R, 288] @ w2 [G, 192, 288]ᵀ
+    got = fp8_grouped_gemm_sum(p["dyq"], p["wqt"], a2q, w2q, p["tiles"], out_dtype=torch.float32)
+    expected = fp8_grouped_gemm_sum_reference(
+        p["dyq"], p["wqt"], a2q, w2q, p["tiles"], out_dtype=torch.float32
+    )
+    assert _relative(got, expected) <= 1e-5
+    first = fp8_grouped_gemm_reference(p["dyq"], p["wqt"], p["tiles"], out_dtype=torch.float32)
+    assert _relative(got, first) > 0.1  # the second product is really added
+
+
+def test_grouped_gemm_sum_rejects_pairs_of_different_layers():
+    p = _problem([10, 20], 128, 256)
+    with pytest.raises(ValueError, match="must agree"):
+        fp8_grouped_gemm_sum(p["xq"], p["wq"], p["dyq"], p["wqt"], p["tiles"])
 
 
 @pytest.mark.parametrize("scale_format", ["fp32", "e8m0"])
@@ -124,3 +159,15 @@ def test_gpu_fp8_gemms_equal_emulation_up_to_output_rounding(backend, scale_form
         assert _relative(dw, expected_dw) <= HOPPER_FP8_ACCUMULATION
         y = fp8_grouped_gemm(p["xq"], p["wq"], tiles, out_dtype=torch.float32, backend=backend)
         assert calc_diff(y, _exact_grouped(p["x"], p["w"], counts)) <= 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_grouped_gemm_sum_equals_emulation_up_to_accumulation():
+    p = _problem([0, 300, 17, 0, 700, 1], 768, 2048, device="cuda")
+    a2q, w2q = _second_pair(p, "fp32")
+    got = fp8_grouped_gemm_sum(p["dyq"], p["wqt"], a2q, w2q, p["tiles"], out_dtype=torch.float32)
+    expected = fp8_grouped_gemm_sum_reference(
+        p["dyq"], p["wqt"], a2q, w2q, p["tiles"], out_dtype=torch.float32
+    )
+    assert _relative(got, expected) <= HOPPER_FP8_ACCUMULATION

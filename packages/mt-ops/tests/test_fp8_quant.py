@@ -10,6 +10,7 @@ from mt_ops.fp8_quant import (
     dequantize_1x128,
     dequantize_128x128,
     dequantize_tiles_transposed,
+    quantize_1x128,
     quantize_1x128_dual,
     quantize_1x128_dual_reference,
     quantize_1x128_reference,
@@ -104,6 +105,17 @@ def test_dual_kernel_matches_reference_scales_exactly_in_interpreter(
     assert cols.data.shape == (shape[1], 128 * cols.scale.shape[0])
 
 
+@pytest.mark.parametrize("scale_format", FORMATS)
+@pytest.mark.parametrize("shape", [(70, 1100), (3, 128), (0, 256)])
+def test_rows_kernel_matches_reference_scales_exactly_in_interpreter(shape, scale_format):
+    x = _wide_range(*shape).bfloat16()  # 1100 columns: 9 tiles, one short, two column groups
+    rows, cols = _launch_1x128_kernel_for_test(x, None, scale_format, rows_only=True)
+    ref = quantize_1x128_reference(x, scale_format=scale_format)
+    assert cols is None
+    assert torch.equal(scale_to_float(rows.scale), scale_to_float(ref.scale))
+    assert _mostly_equal(rows.data, ref.data)
+
+
 @pytest.mark.parametrize("segmented", [False, True])
 def test_transposed_quantization_dequantizes_to_x_transposed_per_expert_tiles(segmented):
     x = torch.randn(261, 130)
@@ -170,6 +182,10 @@ def test_quantization_kernels_are_bit_exact_against_reference_on_gpu(shape, scal
                 r, c = bad[0].tolist()
                 detail.append(float(x[r, c].float() / scale_to_float(ref.scale)[r, c // 128]))
             assert bad.shape[0] == 0, f"{bad.shape[0]} of {got_bits.numel()} differ: {detail}"
+    rows = quantize_1x128(x, scale_format=scale_format)  # the rows-only kernel
+    ref = quantize_1x128_reference(x, scale_format=scale_format)
+    assert torch.equal(scale_to_float(rows.scale), scale_to_float(ref.scale))
+    assert torch.equal(rows.data.view(torch.uint8), ref.data.view(torch.uint8))
     w = _wide_range(*shape, seed=2).cuda().contiguous()
     (q, s), (qt, st) = quantize_128x128(w, scale_format=scale_format, transpose=True)
     (rq, rs), (rqt, rst) = quantize_128x128_reference(w, scale_format=scale_format, transpose=True)

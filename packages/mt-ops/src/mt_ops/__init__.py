@@ -15,7 +15,14 @@ from mt_ops.deferred_wgrad import (
     make_weight_grads_deferrable,
     set_weight_grad_queue,
 )
-from mt_ops.fp8_gemm import fp8_backend, fp8_grouped_gemm, fp8_grouped_wgrad
+from mt_ops.fp8_expert_mlp import fp8_swiglu_experts, fp8_swiglu_experts_reference
+from mt_ops.fp8_gemm import (
+    fp8_backend,
+    fp8_grouped_gemm,
+    fp8_grouped_gemm_sum,
+    fp8_grouped_gemm_sum_reference,
+    fp8_grouped_wgrad,
+)
 from mt_ops.fp8_linear import FP8GroupedLinear, FP8Linear, FP8WeightCache, convert_to_fp8
 from mt_ops.fp8_quant import (
     Fp8Quantized,
@@ -24,6 +31,12 @@ from mt_ops.fp8_quant import (
     quantize_1x128_dual,
     quantize_128x128,
     row_tiles,
+)
+from mt_ops.fp8_swiglu import (
+    swiglu_backward_quantize_1x128,
+    swiglu_backward_quantize_1x128_reference,
+    swiglu_quantize_1x128,
+    swiglu_quantize_1x128_reference,
 )
 from mt_ops.grouped_linear import GroupedLinear, grouped_linear, grouped_linear_reference
 from mt_ops.moe_permute import (
@@ -53,7 +66,11 @@ __all__ = [
     "convert_to_fp8",
     "fp8_backend",
     "fp8_grouped_gemm",
+    "fp8_grouped_gemm_sum",
+    "fp8_grouped_gemm_sum_reference",
     "fp8_grouped_wgrad",
+    "fp8_swiglu_experts",
+    "fp8_swiglu_experts_reference",
     "make_weight_grads_deferrable",
     "permute_reference",
     "plan_dispatch_reference",
@@ -80,5 +97,9 @@ __all__ = [
     "rms_norm_reference",
     "swiglu",
     "swiglu_reference",
+    "swiglu_backward_quantize_1x128",
+    "swiglu_backward_quantize_1x128_reference",
+    "swiglu_quantize_1x128",
+    "swiglu_quantize_1x128_reference",
     "unpermute",
 ]

@@ -158,68 +158,140 @@ def scale_to_float(scale: Tensor) -> Tensor:
     return scale.float()
 
 
-# One program quantizes a BLOCK_M × 128 tile: rows (1×128 scales) and/or columns (the
-# transposed 128×1 scales), reading x once. The dual kernel needs BLOCK_M = 128 (a token
-# tile); the rows-only block and both warp counts are set by bench_ops_fp8.py's sweep.
-# H200 sweep ([65536, 4096] bf16): rows-only 260-262 us for every (block, warps) tried;
-# dual 417 us at 4 warps, 453 at 8, 547 at 16.
-QUANT_CONFIG = {"rows_block_m": 32, "rows_warps": 4, "dual_warps": 4}
+# Shared pieces of the 1×128 kernels (also used by the fused SwiGLU quantizers,
+# mt_ops.fp8_swiglu). ``_pow2_exponent_tl`` is the k of the module docstring, from the bits.
+@triton.jit
+def _pow2_exponent_tl(amax):
+    bits = amax.to(tl.int32, bitcast=True)
+    k = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    return tl.where(amax == 0.0, 0, tl.maximum(k, -126))
 
 
 @triton.jit
-def _quant_1x128_kernel(
-    x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, tile_start_ptr, tile_end_ptr,
-    num_rows, num_cols, stride_x, num_col_tiles, num_row_tiles,
-    ROWWISE: tl.constexpr, COLWISE: tl.constexpr, SEGMENTED: tl.constexpr,
-    E8M0: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
+def _store_scale(ptr, offs, k, mask, E8M0: tl.constexpr):
+    if E8M0:
+        tl.store(ptr + offs, (k + 127).to(tl.uint8), mask=mask)
+    else:
+        tl.store(ptr + offs, ((k + 127) << 23).to(tl.float32, bitcast=True), mask=mask)
+
+
+@triton.jit
+def _tile_rows(tile_start_ptr, tile_end_ptr, pid_m, num_rows,
+               SEGMENTED: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
+    """First row and end row of row tile ``pid_m`` (an expert tile when SEGMENTED)."""
     if SEGMENTED:
         row_start = tl.load(tile_start_ptr + pid_m)
         row_end = tl.load(tile_end_ptr + pid_m)
     else:
         row_start = pid_m * BLOCK_M
         row_end = tl.minimum(row_start + BLOCK_M, num_rows)
-    rows = row_start + tl.arange(0, BLOCK_M)
-    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    row_ok = rows < row_end
-    col_ok = cols < num_cols
+    return row_start, row_end
+
+
+@triton.jit
+def _quantize_store_dual(
+    x, rows64, row_ok, cols, col_ok, pid_m, pid_k, q_ptr, s_ptr, qt_ptr, st_ptr,
+    num_cols, num_col_tiles, num_row_tiles,
+    ROWWISE: tl.constexpr, COLWISE: tl.constexpr, E8M0: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TRANS_STORE: tl.constexpr,
+):  # fmt: skip
+    """Quantizes an fp32 [BLOCK_M, 128] tile (rows past the tile end hold 0) and stores it.
+
+    ROWWISE: 1×128 scales into q [M, K] / s [M, K/128]. COLWISE: 128×1 scales of the
+    transposed tile into the tile-padded qt [K, 128·T] / st [T, K] (module docstring).
+    """
     mask = row_ok[:, None] & col_ok[None, :]
-    rows64 = rows.to(tl.int64)
-    x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
-    x = x.to(tl.float32)
     if ROWWISE:
-        amax = tl.max(tl.abs(x), axis=1)  # [BLOCK_M]
-        bits = amax.to(tl.int32, bitcast=True)
-        k = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-        k = tl.where(amax == 0.0, 0, tl.maximum(k, -126))
+        k = _pow2_exponent_tl(tl.max(tl.abs(x), axis=1))  # [BLOCK_M]
         inv = ((127 - k) << 23).to(tl.float32, bitcast=True)
         q = tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0)
         q_offs = rows64[:, None] * num_cols + cols[None, :]
         tl.store(q_ptr + q_offs, q.to(q_ptr.dtype.element_ty), mask=mask)
-        s_offs = rows64 * num_col_tiles + pid_k
-        if E8M0:
-            tl.store(s_ptr + s_offs, (k + 127).to(tl.uint8), mask=row_ok)
-        else:
-            tl.store(s_ptr + s_offs, ((k + 127) << 23).to(tl.float32, bitcast=True), mask=row_ok)
+        _store_scale(s_ptr, rows64 * num_col_tiles + pid_k, k, row_ok, E8M0)
     if COLWISE:
-        amax_c = tl.max(tl.abs(x), axis=0)  # [BLOCK_K]
-        bits_c = amax_c.to(tl.int32, bitcast=True)
-        kc = ((bits_c >> 23) & 0xFF) - 135 + ((bits_c & 0x7FFFFF) > 0x600000).to(tl.int32)
-        kc = tl.where(amax_c == 0.0, 0, tl.maximum(kc, -126))
+        kc = _pow2_exponent_tl(tl.max(tl.abs(x), axis=0))  # [BLOCK_K]
         inv_c = ((127 - kc) << 23).to(tl.float32, bitcast=True)
         qc = tl.minimum(tl.maximum(x * inv_c[None, :], -448.0), 448.0)
-        # Tile-padded transposed layout: this tile owns columns [128·pid_m, 128·pid_m + 128)
-        # of x^T; rows past the tile end were loaded as 0 and are written as zero padding.
-        tile_cols = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        qt_offs = cols[None, :].to(tl.int64) * (num_row_tiles * BLOCK_M) + tile_cols[:, None]
-        tl.store(qt_ptr + qt_offs, qc.to(qt_ptr.dtype.element_ty), mask=col_ok[None, :])
-        st_offs = pid_m.to(tl.int64) * num_cols + cols  # [T, K]: one coalesced row per tile
-        if E8M0:
-            tl.store(st_ptr + st_offs, (kc + 127).to(tl.uint8), mask=col_ok)
-        else:
-            tl.store(st_ptr + st_offs, ((kc + 127) << 23).to(tl.float32, bitcast=True), mask=col_ok)
+        # This tile owns columns [128·pid_m, 128·pid_m + 128) of x^T; rows past the tile
+        # end were loaded as 0 and are written as zero padding.
+        tile_cols = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        if TRANS_STORE:  # transpose in registers, store rows of x^T
+            qc_t = tl.trans(qc.to(qt_ptr.dtype.element_ty))  # [BLOCK_K, BLOCK_M]
+            qt_offs = cols[:, None].to(tl.int64) * (num_row_tiles * BLOCK_M) + tile_cols[None, :]
+            tl.store(qt_ptr + qt_offs, qc_t, mask=col_ok[:, None])
+        else:  # store through transposed offsets; Triton picks the store layout
+            qt_offs = cols[None, :].to(tl.int64) * (num_row_tiles * BLOCK_M) + tile_cols[:, None]
+            tl.store(qt_ptr + qt_offs, qc.to(qt_ptr.dtype.element_ty), mask=col_ok[None, :])
+        # st is [T, K]: one coalesced row per tile.
+        _store_scale(st_ptr, pid_m.to(tl.int64) * num_cols + cols, kc, col_ok, E8M0)
+
+
+# Dual (rows + transposed) kernel: one program per 128-row tile × 128 columns, reading x
+# once. The grid runs column tiles fastest, so programs that run together share rows (and
+# the sectors of their row scales). Rows-only: BLOCK_M rows × COL_TILES tiles per program.
+# H200 (bench_ops_fp8.py, [65536, 4096] bf16): rows-only 194 us (1.00x copy bandwidth) for
+# 8-32 rows × 4-16 tiles, 200 us with one tile per program (the old kernel: 260 us with
+# strided scale stores). Dual, store through transposed offsets: 330 us at 4 warps (0.78x
+# copy), 401 at 8; with an explicit register transpose (dual_trans_store) 493 and 430; the
+# earlier kernel (row tiles fastest) 417 at 4 warps. All four variants were bit-exact; the
+# explicit fp8 transpose is the pattern that once gave wrong bytes in the 128×128 kernel
+# below, so it stays off.
+QUANT_CONFIG = {
+    "rows_block_m": 8, "rows_col_tiles": 8, "rows_warps": 4, "dual_warps": 4,
+    "dual_trans_store": False,
+}  # fmt: skip
+
+
+@triton.jit
+def _quant_1x128_dual_kernel(
+    x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, tile_start_ptr, tile_end_ptr,
+    num_rows, num_cols, stride_x, num_col_tiles, num_row_tiles,
+    ROWWISE: tl.constexpr, SEGMENTED: tl.constexpr, E8M0: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TRANS_STORE: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    pid_k = pid % num_col_tiles
+    pid_m = pid // num_col_tiles
+    row_start, row_end = _tile_rows(tile_start_ptr, tile_end_ptr, pid_m, num_rows,
+                                    SEGMENTED, BLOCK_M)  # fmt: skip
+    rows = row_start + tl.arange(0, BLOCK_M)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    row_ok = rows < row_end
+    col_ok = cols < num_cols
+    rows64 = rows.to(tl.int64)
+    x_ptrs = x_ptr + rows64[:, None] * stride_x + cols[None, :]
+    x = tl.load(x_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    _quantize_store_dual(
+        x, rows64, row_ok, cols, col_ok, pid_m, pid_k, q_ptr, s_ptr, qt_ptr, st_ptr,
+        num_cols, num_col_tiles, num_row_tiles, ROWWISE, True, E8M0, BLOCK_M, BLOCK_K,
+        TRANS_STORE,
+    )  # fmt: skip
+
+
+# Rows-only kernel: one program quantizes BLOCK_M rows × COL_TILES 1×128 tiles, loaded as
+# [BLOCK_M, COL_TILES, 128], so each row's scales are written as one contiguous run.
+@triton.jit
+def _quant_1x128_rows_kernel(
+    x_ptr, q_ptr, s_ptr, num_rows, num_cols, stride_x, num_col_tiles, num_col_groups,
+    E8M0: tl.constexpr, BLOCK_M: tl.constexpr, COL_TILES: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    pid_c = pid % num_col_groups
+    pid_m = pid // num_col_groups
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    tiles = pid_c * COL_TILES + tl.arange(0, COL_TILES)
+    lanes = tl.arange(0, BLOCK_K)
+    rows64 = rows.to(tl.int64)[:, None, None]
+    cols = tiles[None, :, None] * BLOCK_K + lanes[None, None, :]  # [1, C, 128]
+    mask = (rows64 < num_rows) & (cols < num_cols)
+    x = tl.load(x_ptr + rows64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    k = _pow2_exponent_tl(tl.max(tl.abs(x), axis=2))  # [BLOCK_M, C]
+    inv = ((127 - k) << 23).to(tl.float32, bitcast=True)
+    q = tl.minimum(tl.maximum(x * inv[:, :, None], -448.0), 448.0)
+    tl.store(q_ptr + rows64 * num_cols + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    s_rows = rows.to(tl.int64)[:, None]
+    s_mask = (s_rows < num_rows) & (tiles[None, :] < num_col_tiles)
+    _store_scale(s_ptr, s_rows * num_col_tiles + tiles[None, :], k, s_mask, E8M0)
 
 
 def _check_2d(x: Tensor, what: str) -> None:
@@ -237,23 +309,33 @@ def _launch_1x128(x_MK, tiles, rowwise, colwise, scale_format):
     num_rows, num_cols = x_MK.shape
     dev = x_MK.device
     num_col_tiles = cdiv(num_cols, BLOCK)
-    segmented = tiles is not None
-    block_m = BLOCK if colwise else QUANT_CONFIG["rows_block_m"]
-    num_row_tiles = tiles.num_tiles if segmented else cdiv(num_rows, block_m)
+    e8m0 = scale_format == "e8m0"
     q = torch.empty((num_rows, num_cols) if rowwise else (0,), dtype=_FP8, device=dev)
     s = _empty_scales((num_rows, num_col_tiles) if rowwise else (0,), scale_format, dev)
-    qt_shape = (num_cols, num_row_tiles * BLOCK) if colwise else (0,)
-    qt = torch.empty(qt_shape, dtype=_FP8, device=dev)
-    st = _empty_scales((num_row_tiles, num_cols) if colwise else (0,), scale_format, dev)
+    cfg = QUANT_CONFIG
+    if not colwise:
+        col_tiles = min(cfg["rows_col_tiles"], triton.next_power_of_2(num_col_tiles))
+        num_col_groups = cdiv(num_col_tiles, col_tiles)
+        launch(
+            _quant_1x128_rows_kernel,
+            (cdiv(num_rows, cfg["rows_block_m"]) * num_col_groups,),
+            x_MK, q, _scale_storage(s), num_rows, num_cols, x_MK.stride(0), num_col_tiles,
+            num_col_groups, E8M0=e8m0, BLOCK_M=cfg["rows_block_m"], COL_TILES=col_tiles,
+            BLOCK_K=BLOCK, num_warps=cfg["rows_warps"],
+        )  # fmt: skip
+        return Fp8Quantized(q, s), None
+    segmented = tiles is not None
+    num_row_tiles = tiles.num_tiles if segmented else cdiv(num_rows, BLOCK)
+    qt = torch.empty((num_cols, num_row_tiles * BLOCK), dtype=_FP8, device=dev)
+    st = _empty_scales((num_row_tiles, num_cols), scale_format, dev)
     dummy = torch.zeros(1, dtype=torch.int32, device=dev)
     launch(
-        _quant_1x128_kernel, (num_row_tiles, num_col_tiles),
+        _quant_1x128_dual_kernel, (num_row_tiles * num_col_tiles,),
         x_MK, q, _scale_storage(s), qt, _scale_storage(st),
         tiles.start_T if segmented else dummy, tiles.end_T if segmented else dummy,
         num_rows, num_cols, x_MK.stride(0), num_col_tiles, num_row_tiles,
-        ROWWISE=rowwise, COLWISE=colwise, SEGMENTED=segmented, E8M0=scale_format == "e8m0",
-        BLOCK_M=block_m, BLOCK_K=BLOCK,
-        num_warps=QUANT_CONFIG["dual_warps" if colwise else "rows_warps"],
+        ROWWISE=rowwise, SEGMENTED=segmented, E8M0=e8m0, BLOCK_M=BLOCK, BLOCK_K=BLOCK,
+        TRANS_STORE=cfg["dual_trans_store"], num_warps=cfg["dual_warps"],
     )  # fmt: skip
     return Fp8Quantized(q, s), Fp8Quantized(qt, st)
 
@@ -298,9 +380,11 @@ def quantize_1x128_dual(
     return _launch_1x128(x_MK, tiles, True, True, scale_format)
 
 
-def _launch_1x128_kernel_for_test(x_MK, tiles=None, scale_format: ScaleFormat = "fp32"):
-    """Runs the dual kernel on any device (interpreter on CPU); tests use it."""
-    return _launch_1x128(x_MK, tiles, True, True, scale_format)
+def _launch_1x128_kernel_for_test(
+    x_MK, tiles=None, scale_format: ScaleFormat = "fp32", *, rows_only: bool = False
+):
+    """Runs the dual (or rows-only) kernel on any device (interpreter on CPU); tests use it."""
+    return _launch_1x128(x_MK, tiles, True, not rows_only, scale_format)
 
 
 def _pow2_exponent(amax: Tensor) -> Tensor:

@@ -1,0 +1,122 @@
+"""Fused FP8 SwiGLU expert MLP. Legend: R rows, D model dim, F hidden, E experts."""
+
+import pytest
+import torch
+from torch import nn
+
+from mt_ops import GroupedLinear, WeightGradQueue
+from mt_ops.fp8_expert_mlp import fp8_swiglu_experts, fp8_swiglu_experts_reference
+from mt_ops.fp8_linear import FP8GroupedLinear, FP8WeightCache
+
+
+def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    x, y = x.detach().double(), y.detach().double()
+    return float(1 - 2 * (x * y).sum() / (x * x + y * y).sum())
+
+
+def _relative(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def _projections(num_experts, dim, hidden, device="cpu", cache=None, backend=None):
+    torch.manual_seed(0)
+    projs = []
+    for d_in, d_out in ((dim, hidden), (dim, hidden), (hidden, dim)):
+        module = GroupedLinear(num_experts, d_in, d_out).to(device)
+        nn.init.normal_(module.weight, std=d_in**-0.5)
+        projs.append(
+            FP8GroupedLinear.from_grouped_linear(module, weight_cache=cache, backend=backend)
+        )
+    return projs
+
+
+def _run(fn, x, counts, grad, projs):
+    x = x.detach().clone().requires_grad_(True)
+    y = fn(x, counts, *projs)
+    y.backward(grad)
+    return y.detach(), x.grad, [m.weight.grad for m in projs]
+
+
+def test_fused_mlp_matches_unfused_modules_and_fp32_on_cpu():
+    counts = torch.tensor([100, 0, 37, 200])
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(337, 256, generator=gen).bfloat16()
+    grad = torch.randn(337, 256, generator=gen).bfloat16()
+    fused = _run(fp8_swiglu_experts, x, counts, grad, _projections(4, 256, 384))
+    unfused = _run(fp8_swiglu_experts_reference, x, counts, grad, _projections(4, 256, 384))
+    # The unfused CPU path rounds silu(gate) to bf16 before multiplying by up; fused rounds once.
+    for got, ref in zip([fused[0], fused[1], *fused[2]], [unfused[0], unfused[1], *unfused[2]],
+                        strict=True):  # fmt: skip
+        assert _relative(got, ref) <= 3e-2
+    assert torch.all(fused[2][0][1] == 0) and torch.all(fused[2][2][1] == 0)  # no rows: no grad
+    # Against the exact fp32 MLP.
+    projs = _projections(4, 256, 384)
+    weights = [m.weight.detach().clone().requires_grad_(True) for m in projs]
+    x32 = x.float().requires_grad_(True)
+    pieces = []
+    for e, x_e in enumerate(torch.split(x32, counts.tolist())):
+        h = torch.nn.functional.silu(x_e @ weights[0][e].T) * (x_e @ weights[1][e].T)
+        pieces.append(h @ weights[2][e].T)
+    torch.cat(pieces).backward(grad.float())
+    # Three chained FP8 products (x, h and dy quantized on the way): each adds ~1e-3 of
+    # calc_diff, so the MLP is held to 3e-3, as tight as the unfused modules reach.
+    exact = [torch.cat(pieces), x32.grad, *[w.grad for w in weights]]
+    for got, want in zip([fused[0], fused[1], *fused[2]], exact, strict=True):
+        assert calc_diff(got, want) <= 3e-3
+
+
+def test_fused_mlp_defers_weight_grads_into_each_projections_queue():
+    counts = torch.tensor([30, 50])
+    x, grad = torch.randn(80, 128).bfloat16(), torch.randn(80, 128).bfloat16()
+    immediate = _run(fp8_swiglu_experts, x, counts, grad, _projections(2, 128, 256))
+    projs = _projections(2, 128, 256)
+    queue = WeightGradQueue()
+    for m in projs:
+        m.wgrad_queue = queue
+    deferred = _run(fp8_swiglu_experts, x, counts, grad, projs)
+    assert all(g is None for g in deferred[2]) and len(queue) == 3
+    queue.flush()
+    assert torch.equal(deferred[1], immediate[1])
+    for m, g in zip(projs, immediate[2], strict=True):
+        assert torch.equal(m.weight.grad, g)
+
+
+def test_fused_mlp_quantizes_weights_once_per_step_through_the_cache():
+    cache = FP8WeightCache()
+    projs = _projections(2, 128, 256, cache=cache)
+    x, counts = torch.randn(40, 128), torch.tensor([10, 30])
+    fp8_swiglu_experts(x, counts, *projs)
+    fp8_swiglu_experts(x, counts, *projs)
+    assert cache.num_quantizations == 3
+
+
+def test_fused_mlp_rejects_biased_or_misordered_projections():
+    projs = _projections(2, 128, 256)
+    x, counts = torch.randn(4, 128), torch.tensor([2, 2])
+    with pytest.raises(ValueError, match="gate/up"):
+        fp8_swiglu_experts(x, counts, projs[0], projs[2], projs[1])
+    biased = FP8GroupedLinear(2, 128, 256, bias=True)
+    with pytest.raises(ValueError, match="without bias"):
+        fp8_swiglu_experts(x, counts, biased, projs[1], projs[2])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("counts", [[700, 0, 300, 1, 1047], [1024] * 4])
+def test_gpu_fused_mlp_equals_unfused_modules_bit_for_bit_except_input_grad_rounding(counts):
+    counts_E = torch.tensor(counts, device="cuda")
+    rows = sum(counts)
+    x = torch.randn(rows, 2048, device="cuda").bfloat16()
+    grad = torch.randn(rows, 2048, device="cuda").bfloat16()
+    fused = _run(
+        fp8_swiglu_experts, x, counts_E, grad,
+        _projections(len(counts), 2048, 768, "cuda", FP8WeightCache(), "triton"),
+    )  # fmt: skip
+    unfused = _run(
+        fp8_swiglu_experts_reference, x, counts_E, grad,
+        _projections(len(counts), 2048, 768, "cuda", FP8WeightCache(), "triton"),
+    )  # fmt: skip
+    assert torch.equal(fused[0], unfused[0])
+    for got, ref in zip(fused[2], unfused[2], strict=True):
+        assert torch.equal(got, ref)
+    assert _relative(fused[1], unfused[1]) <= 4e-3  # one bf16 rounding instead of two
