@@ -120,3 +120,19 @@ def test_gpu_fused_mlp_equals_unfused_modules_bit_for_bit_except_input_grad_roun
     for got, ref in zip(fused[2], unfused[2], strict=True):
         assert torch.equal(got, ref)
     assert _relative(fused[1], unfused[1]) <= 4e-3  # one bf16 rounding instead of two
+
+
+def test_grouped_swiglu_mlp_runs_the_fused_op_only_for_bias_free_fp8_projections():
+    from mt_ops import grouped_swiglu_mlp, swiglu
+
+    counts = torch.tensor([5, 0, 11])
+    x = torch.randn(16, 128, generator=torch.Generator().manual_seed(2))
+    fp8 = _projections(3, 128, 256)
+    assert torch.equal(grouped_swiglu_mlp(x, counts, *fp8), fp8_swiglu_experts(x, counts, *fp8))
+    plain = [GroupedLinear(3, 128, 256), GroupedLinear(3, 128, 256), GroupedLinear(3, 256, 128)]
+    composed = plain[2](swiglu(plain[0](x, counts), plain[1](x, counts)), counts)
+    assert torch.equal(grouped_swiglu_mlp(x, counts, *plain), composed)
+    biased = [FP8GroupedLinear.from_grouped_linear(GroupedLinear(3, i, o, bias=True))
+              for i, o in ((128, 256), (128, 256), (256, 128))]
+    composed = biased[2](swiglu(biased[0](x, counts), biased[1](x, counts)), counts)
+    assert torch.equal(grouped_swiglu_mlp(x, counts, *biased), composed)

@@ -15,7 +15,11 @@ from mt_ops.deferred_wgrad import (
     make_weight_grads_deferrable,
     set_weight_grad_queue,
 )
-from mt_ops.fp8_expert_mlp import fp8_swiglu_experts, fp8_swiglu_experts_reference
+from mt_ops.fp8_expert_mlp import (
+    fp8_swiglu_experts,
+    fp8_swiglu_experts_reference,
+    grouped_swiglu_mlp,
+)
 from mt_ops.fp8_gemm import (
     fp8_backend,
     fp8_grouped_gemm,
@@ -71,6 +75,7 @@ __all__ = [
     "fp8_grouped_wgrad",
     "fp8_swiglu_experts",
     "fp8_swiglu_experts_reference",
+    "grouped_swiglu_mlp",
     "make_weight_grads_deferrable",
     "permute_reference",
     "plan_dispatch_reference",

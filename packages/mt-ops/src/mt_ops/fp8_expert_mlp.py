@@ -35,7 +35,7 @@ from mt_ops.fp8_quant import Fp8Quantized, RowTiles, quantize_1x128_dual, row_ti
 from mt_ops.fp8_swiglu import swiglu_backward_quantize_1x128, swiglu_quantize_1x128
 from mt_ops.swiglu import swiglu
 
-__all__ = ["fp8_swiglu_experts", "fp8_swiglu_experts_reference"]
+__all__ = ["fp8_swiglu_experts", "fp8_swiglu_experts_reference", "grouped_swiglu_mlp"]
 
 
 @dataclass(frozen=True)
@@ -187,6 +187,38 @@ def fp8_swiglu_experts_reference(
 ) -> Tensor:
     """Reference of :func:`fp8_swiglu_experts`: the unfused composition of the modules."""
     _check(x_RD, tokens_per_expert_E, gate_proj, up_proj, down_proj)
+    gate_RF = gate_proj(x_RD, tokens_per_expert_E)
+    up_RF = up_proj(x_RD, tokens_per_expert_E)
+    return down_proj(swiglu(gate_RF, up_RF), tokens_per_expert_E)
+
+
+def grouped_swiglu_mlp(
+    x_RD: Tensor,
+    tokens_per_expert_E: Tensor,
+    gate_proj: torch.nn.Module,
+    up_proj: torch.nn.Module,
+    down_proj: torch.nn.Module,
+) -> Tensor:
+    """``down_proj(swiglu(gate_proj(x), up_proj(x)))`` for any kind of grouped linears.
+
+    Model files call this, so they stay dtype-agnostic: when ``convert_to_fp8`` has made
+    all three projections bias-free :class:`FP8GroupedLinear` modules it runs
+    :func:`fp8_swiglu_experts` (quantization fused into its neighbours); otherwise it
+    composes the modules (BF16 ``GroupedLinear``, or FP8 with biases).
+
+    Args:
+        x_RD: Rows grouped by expert, in expert order [R, D].
+        tokens_per_expert_E: Rows per expert [E], summing to R.
+        gate_proj: Gate projection (called as ``gate_proj(x_RD, tokens_per_expert_E)``).
+        up_proj: Up projection.
+        down_proj: Down projection.
+
+    Returns:
+        ``y`` [R, D].
+    """
+    projections = (gate_proj, up_proj, down_proj)
+    if all(isinstance(m, FP8GroupedLinear) and m.bias is None for m in projections):
+        return fp8_swiglu_experts(x_RD, tokens_per_expert_E, *projections)
     gate_RF = gate_proj(x_RD, tokens_per_expert_E)
     up_RF = up_proj(x_RD, tokens_per_expert_E)
     return down_proj(swiglu(gate_RF, up_RF), tokens_per_expert_E)

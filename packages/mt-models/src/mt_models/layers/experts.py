@@ -12,7 +12,7 @@ gives each rank a slice). Canonical names split each GroupedLinear per global ex
 from torch import Tensor, nn
 
 from mt_models.layers.router import TopKRouter
-from mt_ops import GroupedLinear, clamped_swiglu_fused, swiglu
+from mt_ops import GroupedLinear, clamped_swiglu_fused, grouped_swiglu_mlp
 
 
 class GroupedExperts(nn.Module):
@@ -61,9 +61,10 @@ class SwiGLUExperts(GroupedExperts):
         Returns:
             Expert outputs [R, D].
         """
-        gate_RF = self.gate_proj(tokens_RD, tokens_per_expert_E)  # [R, F]
-        up_RF = self.up_proj(tokens_RD, tokens_per_expert_E)  # [R, F]
-        return self.down_proj(swiglu(gate_RF, up_RF), tokens_per_expert_E)  # [R, D]
+        # mt-ops composes the projections, or runs its fused FP8 MLP once they are FP8.
+        return grouped_swiglu_mlp(
+            tokens_RD, tokens_per_expert_E, self.gate_proj, self.up_proj, self.down_proj
+        )  # [R, D]
 
 
 class ClampedSwiGLUExperts(GroupedExperts):
