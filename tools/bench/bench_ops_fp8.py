@@ -280,6 +280,9 @@ def grouped_gemms(name: str, num_tokens: int, skewed: bool) -> None:
     print(line)
 
 
+PROFILE = False
+
+
 def expert_mlp(name: str, num_tokens: int, skewed: bool) -> None:
     num_experts, topk, dim, hidden = SHAPES[name]
     rows = num_tokens * topk
@@ -324,7 +327,11 @@ def expert_mlp(name: str, num_tokens: int, skewed: bool) -> None:
     ms_fp8 = bench_ms(lambda: step(fp8))  # weights quantized once (warm cache)
     ms_fused = bench_ms(lambda: fused_step(fp8))
     cold = bench_ms(lambda: (cache.invalidate(), fused_step(fp8)))
-    if name == "qwen3-30b-a3b" and not skewed:
+    config = fp8_swiglu.SWIGLU_QUANT_CONFIG
+    config["bwd_fused"] = not config["bwd_fused"]
+    ms_other = bench_ms(lambda: fused_step(fp8))  # the other SwiGLU-backward choice
+    config["bwd_fused"] = not config["bwd_fused"]
+    if name == "qwen3-30b-a3b" and not skewed and PROFILE:
         for label, fn in (("modules", step), ("fused", fused_step)):
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 fn(fp8)
@@ -338,7 +345,9 @@ def expert_mlp(name: str, num_tokens: int, skewed: bool) -> None:
         f"bf16 {ms_bf16:6.2f} ms ({flops / ms_bf16 / 1e9:4.0f} TFLOP/s) | fp8 modules "
         f"{ms_fp8:6.2f} ms = {ms_bf16 / ms_fp8:.2f}x | fp8 fused {ms_fused:6.2f} ms "
         f"({flops / ms_fused / 1e9:4.0f}) = {ms_bf16 / ms_fused:.2f}x bf16 | fused incl. weight "
-        f"quantization {cold:6.2f} ms = {ms_bf16 / cold:.2f}x"
+        f"quantization {cold:6.2f} ms = {ms_bf16 / cold:.2f}x | with the SwiGLU backward "
+        f"{'unfused' if config['bwd_fused'] else 'fused'} {ms_other:6.2f} ms = "
+        f"{ms_bf16 / ms_other:.2f}x"
     )
 
 
@@ -351,7 +360,10 @@ def main() -> None:
         help="comma-separated subset of: sweep,variants,quant,dense,grouped,mlp",
     )
     parser.add_argument("--skip-sweep", action="store_true", help="same as leaving out 'sweep'")
+    parser.add_argument("--profile", action="store_true", help="print profiler tables of the MLP")
     args = parser.parse_args()
+    global PROFILE
+    PROFILE = args.profile
     chosen = set(args.sections.split(",")) - ({"sweep"} if args.skip_sweep else set())
     print(torch.cuda.get_device_name(), torch.__version__)
     copy_gbs = copy_bandwidth()
