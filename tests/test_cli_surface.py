@@ -8,7 +8,7 @@ from mt_train.recipes import RECIPES, get_recipe
 
 TOP_LEVEL_KEYS = [
     "checkpoint", "data", "init_from", "log_every", "metrics", "model", "model_family",
-    "parallel", "profile", "run_dir", "seed", "training", "validation",
+    "parallel", "precision", "profile", "run_dir", "seed", "training", "validation",
 ]
 NON_MODEL_KEYS = sorted([
     "checkpoint.async_save", "checkpoint.interval", "checkpoint.keep_last", "checkpoint.resume",
@@ -16,7 +16,7 @@ NON_MODEL_KEYS = sorted([
     "init_from", "log_every", "model_family", "run_dir", "seed",
     "metrics.tensorboard", "metrics.wandb_project",
     "parallel.cp", "parallel.dp", "parallel.ep", "parallel.ep_comm", "parallel.pp",
-    "parallel.reshard_after_forward", "parallel.timeout_s",
+    "parallel.reshard_after_forward", "parallel.timeout_s", "precision.fp8",
     "profile.memory_snapshot", "profile.nvtx", "profile.trace_steps",
     "training.beta1", "training.beta2", "training.device", "training.dtype", "training.eps",
     "training.global_batch_size", "training.grad_clip", "training.lr",

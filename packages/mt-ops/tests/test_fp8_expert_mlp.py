@@ -130,9 +130,15 @@ def test_grouped_swiglu_mlp_runs_the_fused_op_only_for_bias_free_fp8_projections
     fp8 = _projections(3, 128, 256)
     assert torch.equal(grouped_swiglu_mlp(x, counts, *fp8), fp8_swiglu_experts(x, counts, *fp8))
     plain = [GroupedLinear(3, 128, 256), GroupedLinear(3, 128, 256), GroupedLinear(3, 256, 128)]
+    for module in plain:
+        nn.init.normal_(module.weight, std=0.05)
     composed = plain[2](swiglu(plain[0](x, counts), plain[1](x, counts)), counts)
     assert torch.equal(grouped_swiglu_mlp(x, counts, *plain), composed)
-    biased = [FP8GroupedLinear.from_grouped_linear(GroupedLinear(3, i, o, bias=True))
-              for i, o in ((128, 256), (128, 256), (256, 128))]
+    biased = []
+    for d_in, d_out in ((128, 256), (128, 256), (256, 128)):
+        module = GroupedLinear(3, d_in, d_out, bias=True)
+        nn.init.normal_(module.weight, std=0.05)
+        nn.init.normal_(module.bias, std=0.05)
+        biased.append(FP8GroupedLinear.from_grouped_linear(module))
     composed = biased[2](swiglu(biased[0](x, counts), biased[1](x, counts)), counts)
     assert torch.equal(grouped_swiglu_mlp(x, counts, *biased), composed)

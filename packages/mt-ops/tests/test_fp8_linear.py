@@ -112,6 +112,21 @@ def test_convert_to_fp8_keeps_names_and_parameter_objects_and_skips_head_and_odd
     assert type(only_experts.proj) is nn.Linear and isinstance(only_experts.up, FP8GroupedLinear)
 
 
+def test_converted_experts_stay_grouped_linears_and_a_second_conversion_changes_nothing():
+    # Code that finds expert projections by class (canonical per-expert checkpoint keys,
+    # expert slicing) must still find them after conversion; meta models stay on meta.
+    with torch.device("meta"):
+        model = nn.Module()
+        model.up_proj = GroupedLinear(4, 128, 256)
+        model.proj = nn.Linear(128, 256)
+    convert_to_fp8(model)
+    converted = model.up_proj, model.proj
+    assert isinstance(converted[0], GroupedLinear) and isinstance(converted[0], FP8GroupedLinear)
+    assert all(p.is_meta for p in model.parameters())
+    convert_to_fp8(model)
+    assert model.up_proj is converted[0] and model.proj is converted[1]
+
+
 def test_deferred_fp8_linear_weight_grad_lands_on_the_parameter():
     torch.manual_seed(5)
     immediate = FP8Linear.from_linear(nn.Linear(128, 64))

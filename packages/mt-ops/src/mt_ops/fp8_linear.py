@@ -212,8 +212,11 @@ def _check_aligned(in_features: int, out_features: int) -> None:
         )
 
 
-class FP8GroupedLinear(nn.Module):
+class FP8GroupedLinear(GroupedLinear):
     """``GroupedLinear`` with FP8 fprop, dgrad and wgrad; same parameter names and shapes.
+
+    A subclass of :class:`~mt_ops.grouped_linear.GroupedLinear`, so code that finds expert
+    projections by that class (mt-models' per-expert checkpoint names) still finds them.
 
     Args:
         num_experts: E.
@@ -236,17 +239,9 @@ class FP8GroupedLinear(nn.Module):
         backend: str | None = None,
         scale_format: ScaleFormat = "fp32",
     ):
-        super().__init__()
         _check_aligned(in_features, out_features)
-        self.num_experts, self.in_features, self.out_features = (
-            num_experts,
-            in_features,
-            out_features,
-        )
-        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
-        self.bias = nn.Parameter(torch.empty(num_experts, out_features)) if bias else None
+        super().__init__(num_experts, in_features, out_features, bias)
         self.weight_cache, self.backend, self.scale_format = weight_cache, backend, scale_format
-        self.wgrad_queue: WeightGradQueue | None = None
 
     @classmethod
     def from_grouped_linear(cls, module: GroupedLinear, **kwargs) -> "FP8GroupedLinear":
@@ -259,7 +254,8 @@ class FP8GroupedLinear(nn.Module):
         Returns:
             The FP8 module.
         """
-        new = cls(module.num_experts, module.in_features, module.out_features, **kwargs)
+        with torch.device("meta"):  # placeholders only: the module's parameters move in
+            new = cls(module.num_experts, module.in_features, module.out_features, **kwargs)
         new.weight = module.weight
         new.bias = module.bias
         new.wgrad_queue = getattr(module, "wgrad_queue", None)
@@ -328,7 +324,8 @@ class FP8Linear(nn.Module):
         Returns:
             The FP8 module.
         """
-        new = cls(module.in_features, module.out_features, bias=False, **kwargs)
+        with torch.device("meta"):  # placeholders only: the module's parameters move in
+            new = cls(module.in_features, module.out_features, bias=False, **kwargs)
         new.weight = module.weight
         new.bias = module.bias
         new.wgrad_queue = getattr(module, "wgrad_queue", None)
@@ -397,6 +394,10 @@ def convert_to_fp8(
             child_fqn = f"{fqn}.{name}" if fqn else name
             if isinstance(child, nn.Linear) and keep(child, child_fqn):
                 setattr(module, name, FP8Linear.from_linear(child, **kwargs))
-            elif isinstance(child, GroupedLinear) and keep(child, child_fqn):
+            elif (
+                isinstance(child, GroupedLinear)
+                and not isinstance(child, FP8GroupedLinear)
+                and keep(child, child_fqn)
+            ):
                 setattr(module, name, FP8GroupedLinear.from_grouped_linear(child, **kwargs))
     return model

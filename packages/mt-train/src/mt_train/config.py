@@ -121,6 +121,25 @@ class TrainingConfig:
 
 
 @dataclass
+class PrecisionConfig:
+    """Low-precision GEMMs of the run (ARCHITECTURE.md §4, §7).
+
+    Attributes:
+        fp8: block-scaled FP8 training (DeepSeek-V3's recipe, `mt_ops.convert_to_fp8`):
+            forward, input-gradient and weight-gradient GEMMs of the attention projections,
+            dense MLPs and experts run in FP8 (E4M3, 1×128 activation and 128×128 weight
+            scales); embedding, output head, router, norms and attention scores keep
+            `training.dtype`, and master weights stay FP32. Layers whose in/out features are
+            not multiples of 16 stay unconverted. Each weight is quantized once per optimizer
+            step (under FSDP from the gathered BF16 weight). Needs a GPU with FP8 tensor
+            cores (compute capability 8.9 or newer: H100/H200, L40S, B200); on CPU the
+            GEMMs run through mt-ops' exact emulation, slowly (tests and debugging).
+    """
+
+    fp8: bool = False
+
+
+@dataclass
 class CheckpointConfig:
     """When to save and whether to resume.
 
@@ -282,6 +301,7 @@ class JobConfig:
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
 
     def __post_init__(self) -> None:
         if family_of(self.model) is None:
@@ -314,6 +334,7 @@ class JobConfig:
             validation=_build(ValidationConfig, data.pop("validation", {})),
             metrics=_build(MetricsConfig, data.pop("metrics", {})),
             profile=_build(ProfileConfig, data.pop("profile", {})),
+            precision=_build(PrecisionConfig, data.pop("precision", {})),
             **data,
         )
 

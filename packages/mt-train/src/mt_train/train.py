@@ -23,6 +23,7 @@ import torch
 
 from mt_data import DataExhausted, TokenDataset, default_corpus_dir
 from mt_models import build_model
+from mt_ops import FP8WeightCache
 from mt_parallel import (
     MicroBatch,
     ParallelDims,
@@ -49,6 +50,7 @@ from mt_train.faults import NonFiniteError, agree_to_stop, stop_on_signals, writ
 from mt_train.metrics import MetricsLogger, build_sinks, peak_flops
 from mt_train.optim import build_optimizer, lr_at, set_lr
 from mt_train.overrides import flatten
+from mt_train.precision import apply_fp8
 from mt_train.profiling import StepProfiler, parse_trace_steps
 
 log = logging.getLogger("mt_train")
@@ -71,6 +73,8 @@ class TrainState:
     val_start: dict[str, Any] | None = None
     flops_per_token: float = 0.0  # model training FLOPs per token at data.seq_len
     peak_flops: tuple[float | None, float | None] = (None, None)  # measured, spec
+    # precision.fp8: the step's quantized weights, invalidated after every optimizer step.
+    fp8_cache: FP8WeightCache | None = None
     step: int = 0
     skipped_steps: int = 0
     stop_requested: bool = False
@@ -142,6 +146,9 @@ def setup(cfg: JobConfig) -> TrainState:
         )
     with torch.device("meta"):
         model = build_model(cfg.model)
+    # FP8 modules replace the linears before FSDP2 wraps them (it records the modules that
+    # own each parameter); parameters and names stay, so initialization is unchanged.
+    fp8_cache = apply_fp8(model, env.device) if cfg.precision.fp8 else None
     mesh = None
     if env.world_size > 1:
         mesh = parallelize(
@@ -165,6 +172,7 @@ def setup(cfg: JobConfig) -> TrainState:
             if env.device.type == "cuda"
             else (None, None)
         ),
+        fp8_cache=fp8_cache,
     )
     run_dir = Path(cfg.run_dir)
     if env.is_main:
@@ -183,6 +191,8 @@ def setup(cfg: JobConfig) -> TrainState:
 
 def _resume(state: TrainState, checkpoint) -> None:
     saved = load_checkpoint(checkpoint, state.model, state.optimizer)
+    if state.fp8_cache is not None:
+        state.fp8_cache.invalidate()  # the weights were overwritten in place
     state.step = saved["step"]
     state.dataset.load_state_dict(saved["data"])
     state.skipped_steps = saved.get("skipped_steps", 0)
@@ -298,6 +308,9 @@ def train_step(state: TrainState, microbatches: list[MicroBatch]) -> dict[str, A
         log.warning("step %d: non-finite loss (%s) or grad norm (%s); step skipped",
                     step, loss, grad_norm)
     state.optimizer.zero_grad(set_to_none=True)
+    if state.fp8_cache is not None:
+        # Quantize afresh next step; FSDP2 hides the update from the cache's version check.
+        state.fp8_cache.invalidate()
     if state.device.type == "cuda":
         torch.cuda.synchronize(state.device)
     elapsed = time.perf_counter() - start
