@@ -181,24 +181,26 @@ def test_a_rank_that_hangs_mid_run_ends_the_run_with_a_clear_error(tmp_path):
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
         "-m", "mt_train", "pretrain", "tiny", "training.max_steps=100000",
-        "parallel.timeout_s=5", "checkpoint.interval=0", f"run_dir={tmp_path}",
+        "training.device=cpu", "parallel.timeout_s=15", "checkpoint.interval=0",
+        f"run_dir={tmp_path}",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                                text=True)
+    log = open(tmp_path / "launcher.log", "w+")  # noqa: SIM115 - read back at the end
+    launcher = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                text=True, start_new_session=True)
     stopped = None
     try:
         deadline = time.monotonic() + 120
         metrics = tmp_path / "metrics.jsonl"
         while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-            assert launcher.poll() is None, launcher.communicate()[1][-3000:]
+            assert launcher.poll() is None, (tmp_path / "launcher.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "the run did not reach step 2"
             time.sleep(0.2)
         stopped = _worker_of_rank(launcher.pid, 1)
         assert stopped is not None, "rank 1's worker was not found"
         os.kill(stopped, signal.SIGSTOP)  # rank 1 hangs mid-run; rank 0 waits on it
         rank0 = _worker_of_rank(launcher.pid, 0)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 90
         while rank0 is not None and os.path.exists(f"/proc/{rank0}"):
             with open(f"/proc/{rank0}/stat") as f:
                 if f.read().rsplit(")", 1)[1].split()[0] == "Z":
@@ -208,6 +210,13 @@ def test_a_rank_that_hangs_mid_run_ends_the_run_with_a_clear_error(tmp_path):
     finally:
         if stopped is not None:
             os.kill(stopped, signal.SIGKILL)
-        _, stderr = launcher.communicate(timeout=120)
+        try:
+            launcher.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # a failed check above: take everything down
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+        log.seek(0)
+        output = log.read()
+        log.close()
     assert launcher.returncode != 0
-    assert "timed out" in stderr and "parallel.timeout_s" in stderr, stderr[-3000:]
+    assert "timed out" in output and "parallel.timeout_s" in output, output[-3000:]

@@ -153,6 +153,10 @@ def test_weights_and_biases_gets_every_step_in_an_offline_run(tmp_path, monkeypa
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_ERROR_REPORTING", "false")
+    monkeypatch.setenv("WANDB_DISABLE_GIT", "true")
+    for name in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / "wandb-home"))
     logged = []
     real_log = Run.log
 

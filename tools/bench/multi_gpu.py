@@ -10,8 +10,10 @@ With `--real-layers L`, also the three full-size recipes cut to L layers (sequen
 8 sequences a step) in the first layout of each size, against one GPU.
 Part 3 (throughput, `--throughput`): the qwen3-30b-a3b recipe (sequence 4096) on all
 GPUs with EP over all of them and FSDP for the rest, BF16 and FP8: the median over 10
-steps after 3 warm-up steps of tokens/s per GPU, model TFLOP/s per GPU, MFU and peak
-memory. `--throughput-layers` cuts the model (the whole 48 layers need 8 H200s).
+steps after 3 warm-up steps of tokens/s per GPU, model TFLOP/s per GPU, MFU (against
+the device's measured BF16 peak, FP8 runs too) and peak memory; and BF16 with the
+synchronous expert-parallel dispatch, to see what the asynchronous one gains.
+`--throughput-layers` cuts the model (the whole 48 layers need 8 H200s).
 
 Usage, from the repository root on a GPU machine:
     PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python tools/bench/multi_gpu.py [--out DIR]
@@ -169,9 +171,15 @@ def main() -> int:
     if args.throughput:
         results["throughput"] = {}
         with tempfile.TemporaryDirectory() as tmp:
-            for name, precision in (("bf16", []), ("fp8", ["precision.fp8=true"])):
-                median = _throughput(gpus, args.throughput_layers, args.throughput_batch,
-                                     Path(tmp) / name, precision)
+            for name, precision in (("bf16", []), ("fp8", ["precision.fp8=true"]),
+                                    ("bf16-ep-sync", ["parallel.ep_comm=sync"])):
+                try:
+                    median = _throughput(gpus, args.throughput_layers, args.throughput_batch,
+                                         Path(tmp) / name, precision)
+                except RuntimeError as err:  # keep what the other parts measured
+                    results["throughput"][name] = f"failed: {str(err)[-500:]}"
+                    print(f"[throughput] {name}: FAILED\n{err}", flush=True)
+                    continue
                 results["throughput"][name] = median
                 print(f"[throughput] qwen3-30b-a3b x{args.throughput_layers} layers, {gpus} "
                       f"GPU(s), ep={gpus}, seq 4096, batch {args.throughput_batch}, {name}: "

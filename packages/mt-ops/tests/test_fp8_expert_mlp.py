@@ -142,3 +142,16 @@ def test_grouped_swiglu_mlp_runs_the_fused_op_only_for_bias_free_fp8_projections
         biased.append(FP8GroupedLinear.from_grouped_linear(module))
     composed = biased[2](swiglu(biased[0](x, counts), biased[1](x, counts)), counts)
     assert torch.equal(grouped_swiglu_mlp(x, counts, *biased), composed)
+
+
+def test_fused_mlp_rejects_a_weight_cache_of_another_scale_format():
+    projs = []
+    for d_in, d_out in ((128, 256), (128, 256), (256, 128)):
+        module = GroupedLinear(2, d_in, d_out)
+        nn.init.normal_(module.weight, std=0.05)
+        projs.append(FP8GroupedLinear.from_grouped_linear(
+            module, weight_cache=FP8WeightCache("fp32"), scale_format="e8m0"
+        ))  # fmt: skip
+    x = torch.randn(8, 128)
+    with pytest.raises(ValueError, match="weight cache scale_format .'fp32'. must equal"):
+        fp8_swiglu_experts(x, torch.tensor([3, 5]), *projs)

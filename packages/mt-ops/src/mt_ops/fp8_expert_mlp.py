@@ -30,7 +30,7 @@ from torch import Tensor
 
 from mt_ops.deferred_wgrad import accumulate_grad
 from mt_ops.fp8_gemm import fp8_grouped_gemm, fp8_grouped_gemm_sum, fp8_grouped_wgrad
-from mt_ops.fp8_linear import FP8GroupedLinear, QuantizedWeight, quantize_weight
+from mt_ops.fp8_linear import FP8GroupedLinear, QuantizedWeight, _weight_source
 from mt_ops.fp8_quant import Fp8Quantized, RowTiles, quantize_1x128_dual, row_tiles
 from mt_ops.fp8_swiglu import swiglu_backward_quantize_1x128, swiglu_quantize_1x128
 from mt_ops.swiglu import swiglu
@@ -47,17 +47,16 @@ class _Projections:
     down: FP8GroupedLinear
 
     def quantized(self, module: FP8GroupedLinear) -> QuantizedWeight:
-        if module.weight_cache is not None:
-            return module.weight_cache.get(module.weight)
-        return quantize_weight(module.weight, module.scale_format)
+        # The modules' own source: the cache (its scale format checked) or a fresh quantization.
+        return _weight_source(module.weight_cache, module.scale_format)(module.weight)
 
 
-def _weight_grad(module: FP8GroupedLinear, compute) -> Tensor | None:
-    """Returns dW now, or defers it into the module's queue (then autograd gets None)."""
-    param = module.weight
-    if module.wgrad_queue is None:
+def _weight_grad(param: Tensor, queue, compute) -> Tensor | None:
+    """Returns dW now, or defers it into the queue the projection had at forward time
+    (then autograd gets None), as ``FP8GroupedLinear`` does."""
+    if queue is None:
         return compute().view(param.shape).to(param.dtype)
-    module.wgrad_queue.push(lambda: accumulate_grad(param, compute().view(param.shape)))
+    queue.push(lambda: accumulate_grad(param, compute().view(param.shape)))
     return None
 
 
@@ -78,6 +77,8 @@ class _FP8SwiGLUExpertsFn(torch.autograd.Function):
             tiles.start_T, tiles.end_T, tiles.group_T, tiles.group_first_tile_G,
         )  # fmt: skip
         ctx.num_rows, ctx.projs, ctx.qweights = x_RD.shape[0], projs, (qgate, qup, qdown)
+        # Parameters and wgrad queues as of forward (a schedule may swap queues before backward).
+        ctx.wgrad_targets = [(m.weight, m.wgrad_queue) for m in (projs.gate, projs.up, down)]
         return y_RD
 
     @staticmethod
@@ -102,16 +103,18 @@ class _FP8SwiGLUExpertsFn(torch.autograd.Function):
                 out_dtype=gate_RF.dtype, backend=backend,
             )  # fmt: skip
         grads = []
-        for module, needed, a_t, b_t in (
-            (projs.gate, ctx.needs_input_grad[1], dgate_qt, x_qt),
-            (projs.up, ctx.needs_input_grad[2], dup_qt, x_qt),
-            (projs.down, ctx.needs_input_grad[3], dy_qt, h_qt),
+        for (param, queue), needed, a_t, b_t in zip(
+            ctx.wgrad_targets,
+            ctx.needs_input_grad[1:4],
+            (dgate_qt, dup_qt, dy_qt),
+            (x_qt, x_qt, h_qt),
+            strict=True,
         ):
 
             def compute(a_t=a_t, b_t=b_t) -> Tensor:
                 return fp8_grouped_wgrad(a_t, b_t, tiles, backend=backend)
 
-            grads.append(_weight_grad(module, compute) if needed else None)
+            grads.append(_weight_grad(param, queue, compute) if needed else None)
         return grad_x, *grads, None, None
 
 
@@ -204,7 +207,9 @@ def grouped_swiglu_mlp(
     Model files call this, so they stay dtype-agnostic: when ``convert_to_fp8`` has made
     all three projections bias-free :class:`FP8GroupedLinear` modules it runs
     :func:`fp8_swiglu_experts` (quantization fused into its neighbours); otherwise it
-    composes the modules (BF16 ``GroupedLinear``, or FP8 with biases).
+    composes the modules (BF16 ``GroupedLinear``, or FP8 with biases). The fused path
+    reads the projections' parameters without calling them, so hooks registered on the
+    projections themselves do not fire (FSDP wraps the experts module, which is fine).
 
     Args:
         x_RD: Rows grouped by expert, in expert order [R, D].

@@ -19,10 +19,12 @@ combine (the reverse):
 
 Every step is differentiable: the all-to-all's backward is the all-to-all the other way.
 
-Asynchronous mode (the default): the three dispatch all-to-alls (top-k ids, weights,
-rows) are launched together, on a side CUDA stream on GPU (gloo's worker thread on CPU),
-and the expert-side planning runs on the ids while the rows are still in flight; the
-compute stream waits on an event only where it reads a received tensor. The synchronous
+Asynchronous mode (the default): the three dispatch all-to-alls (top-k ids, rows,
+weights) are launched without waiting, in that order, on a side CUDA stream on GPU
+(gloo's worker thread on CPU; either way they run one after another), and the
+expert-side planning runs on the ids while the rows are still in flight; the compute
+stream waits on an event only where it reads a received tensor. The combine's
+all-to-all and every backward one are waited on at once, so they stay synchronous. The synchronous
 mode (`async_comm=False`, `parallel.ep_comm=sync`) runs each all-to-all to completion
 in turn on the compute stream; both give the same numbers.
 """
@@ -40,22 +42,25 @@ from mt_models.layers.experts import GroupedExperts
 from mt_ops import DispatchPlan, permute, plan_dispatch, unpermute
 
 
+def _exchange(x: Tensor, out_splits: list[int], in_splits: list[int], group) -> Tensor:
+    """all_to_all_single of rows, synchronous on the current stream."""
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
 class _AllToAll(torch.autograd.Function):
     """all_to_all_single of rows with autograd: the backward sends gradients back."""
 
     @staticmethod
     def forward(ctx, x: Tensor, out_splits: list[int], in_splits: list[int], group) -> Tensor:
         ctx.splits, ctx.group = (out_splits, in_splits), group
-        out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
+        return _exchange(x, out_splits, in_splits, group)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         out_splits, in_splits = ctx.splits
-        grad_in = grad.new_empty((sum(in_splits), *grad.shape[1:]))
-        dist.all_to_all_single(grad_in, grad.contiguous(), in_splits, out_splits, group=ctx.group)
-        return grad_in, None, None, None
+        return _exchange(grad, in_splits, out_splits, ctx.group), None, None, None
 
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
@@ -71,10 +76,16 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
 
 
 class _Launched:
-    """An all-to-all in flight: its output buffer and how to wait for it."""
+    """An all-to-all in flight: its output buffer and how to wait for it.
+
+    GPU: the collective runs on the device's EP side stream (shared by every EP group and
+    both directions), which first waits for the producer of x; an event marks its end.
+    CPU: an asynchronous gloo op.
+    """
 
     def __init__(self, x: Tensor, out_splits: list[int], in_splits: list[int], group):
         x = x.contiguous()
+        # Allocated on the compute stream, which reads it (after `wait`).
         self.out = x.new_empty((sum(out_splits), *x.shape[1:]))
         self.stream = _side_stream(x.device)
         if self.stream is None:
@@ -82,20 +93,16 @@ class _Launched:
                 self.out, x, out_splits, in_splits, group=group, async_op=True
             )
             return
-        # The side stream starts after the producer of x; the collective's own stream
-        # follows the side stream; an event marks the end for the consumer.
         self.stream.wait_stream(torch.cuda.current_stream(x.device))
         with torch.cuda.stream(self.stream):
-            work = dist.all_to_all_single(
-                self.out, x, out_splits, in_splits, group=group, async_op=True
-            )
-            work.wait()  # the side stream (not the host) waits for the collective
+            # Synchronous on the current (side) stream: when it returns, the side stream is
+            # ordered after the collective, whichever stream NCCL ran it on.
+            dist.all_to_all_single(self.out, x, out_splits, in_splits, group=group)
             self.event = torch.cuda.Event()
             self.event.record(self.stream)
         # The caching allocator must not reuse x or out before the side stream is done.
         x.record_stream(self.stream)
         self.out.record_stream(self.stream)
-        self.work = None
 
     def wait(self) -> Tensor:
         """Makes the current stream (CPU: the host) wait; returns the received rows."""
@@ -107,7 +114,8 @@ class _Launched:
 
 
 class _StartAllToAll(torch.autograd.Function):
-    """Launches an all-to-all; `_WaitAllToAll` hands its output to autograd."""
+    """Launches an all-to-all (`PendingAllToAll.wait` waits for it); the backward sends
+    the gradient back synchronously: nothing in backward would overlap it."""
 
     @staticmethod
     def forward(ctx, x: Tensor, out_splits, in_splits, group, pending: PendingAllToAll):
@@ -118,20 +126,7 @@ class _StartAllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         out_splits, in_splits = ctx.splits
-        grad_in = _Launched(grad, in_splits, out_splits, ctx.group).wait()
-        return grad_in, None, None, None, None
-
-
-class _WaitAllToAll(torch.autograd.Function):
-    """Waits for a launched all-to-all; the identity for autograd."""
-
-    @staticmethod
-    def forward(ctx, out: Tensor, pending: PendingAllToAll) -> Tensor:
-        return pending.launched.wait().view_as(out)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return grad, None
+        return _exchange(grad, in_splits, out_splits, ctx.group), None, None, None, None
 
 
 class PendingAllToAll:
@@ -147,7 +142,8 @@ class PendingAllToAll:
         Returns:
             The received rows [sum(out_splits), ...], grouped by source rank.
         """
-        return _WaitAllToAll.apply(self._out, self)
+        self.launched.wait()
+        return self._out
 
 
 def start_all_to_all(
@@ -156,7 +152,7 @@ def start_all_to_all(
     """Launches a differentiable all-to-all of rows without waiting for it.
 
     On GPU it runs on a side stream of the device; on CPU as an asynchronous gloo op.
-    Its backward (the all-to-all the other way) waits at once.
+    Its backward (the all-to-all the other way) is synchronous.
 
     Args:
         x: rows to send, grouped by destination rank [sum(in_splits), ...].
@@ -260,13 +256,14 @@ class ExpertParallelDispatcher:
         dist.all_to_all_single(recv_counts, counts, group=self.group)
         recv_splits = recv_counts.tolist()
 
-        # Ids first: the expert-side plan needs only them, so it overlaps the rows' trip.
+        # Ids first: the expert-side plan needs only them, so it overlaps the rows' trip
+        # (the all-to-alls of one group run in turn, in launch order; weights are read last).
         ids_MK = self._send(ids_TK.index_select(0, send_token_ids_N), recv_splits,
                             send_splits)
-        weights_MK = self._send(weights_TK.index_select(0, send_token_ids_N), recv_splits,
-                                send_splits)
         x_MD = self._send(routed.hidden_TD.index_select(0, send_token_ids_N), recv_splits,
                           send_splits)
+        weights_MK = self._send(weights_TK.index_select(0, send_token_ids_N), recv_splits,
+                                send_splits)
 
         local_MK = ids_MK() - self.ep_rank * self.num_local
         is_local_MK = (local_MK >= 0) & (local_MK < self.num_local)
@@ -302,7 +299,8 @@ class ExpertParallelDispatcher:
         zeros = expert_out_RD.new_zeros(dropped, expert_out_RD.shape[1])  # other ranks' choices
         padded = torch.cat([expert_out_RD, zeros])  # [M·K, D] in plan order
         partial_MD = unpermute(padded, handle.plan, handle.weights_MK)  # [M, D]
-        back_ND = self._send(partial_MD, handle.send_splits, handle.recv_splits)()
+        # Waited on at once, so nothing to overlap: the plain synchronous exchange.
+        back_ND = all_to_all(partial_MD, handle.send_splits, handle.recv_splits, self.group)
         out_TD = back_ND.new_zeros(handle.num_tokens, back_ND.shape[1])
         return out_TD.index_add(0, handle.send_token_ids_N, back_ND)  # [T, D]
 

@@ -40,6 +40,11 @@ def check_fp8_device(device: torch.device) -> None:
             f"precision.fp8=true runs on CUDA GPUs or on the CPU, not on {device.type}; "
             "set precision.fp8=false"
         )
+    if torch.version.hip is not None:
+        raise ValueError(
+            "precision.fp8=true uses NVIDIA's E4M3 format and Triton kernels tuned for it; "
+            "this is a ROCm build; set precision.fp8=false"
+        )
     capability = torch.cuda.get_device_capability(device)
     if capability < _FP8_MIN_CAPABILITY:
         name = torch.cuda.get_device_name(device)
