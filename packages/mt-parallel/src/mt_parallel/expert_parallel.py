@@ -95,9 +95,10 @@ class _Launched:
             return
         self.stream.wait_stream(torch.cuda.current_stream(x.device))
         with torch.cuda.stream(self.stream):
-            # Synchronous on the current (side) stream: when it returns, the side stream is
-            # ordered after the collective, whichever stream NCCL ran it on.
-            dist.all_to_all_single(self.out, x, out_splits, in_splits, group=group)
+            work = dist.all_to_all_single(
+                self.out, x, out_splits, in_splits, group=group, async_op=True
+            )
+            work.wait()  # the side stream (not the host) waits for the collective
             self.event = torch.cuda.Event()
             self.event.record(self.stream)
         # The caching allocator must not reuse x or out before the side stream is done.
