@@ -243,12 +243,11 @@ QUANT_CONFIG = {
 
 
 @triton.jit
-def _quant_1x128_dual_kernel(
-    x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, tile_start_ptr, tile_end_ptr,
-    num_rows, num_cols, stride_x, num_col_tiles, num_row_tiles,
-    ROWWISE: tl.constexpr, SEGMENTED: tl.constexpr, E8M0: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TRANS_STORE: tl.constexpr,
+def _tile_pointers(
+    tile_start_ptr, tile_end_ptr, num_rows, num_cols, num_col_tiles,
+    SEGMENTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
+    """Program id → (row tile, column tile), the tile's rows (int64) and columns, masks."""
     pid = tl.program_id(0)
     pid_k = pid % num_col_tiles
     pid_m = pid // num_col_tiles
@@ -256,9 +255,20 @@ def _quant_1x128_dual_kernel(
                                     SEGMENTED, BLOCK_M)  # fmt: skip
     rows = row_start + tl.arange(0, BLOCK_M)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    row_ok = rows < row_end
-    col_ok = cols < num_cols
-    rows64 = rows.to(tl.int64)
+    return pid_m, pid_k, rows.to(tl.int64), rows < row_end, cols, cols < num_cols
+
+
+@triton.jit
+def _quant_1x128_dual_kernel(
+    x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, tile_start_ptr, tile_end_ptr,
+    num_rows, num_cols, stride_x, num_col_tiles, num_row_tiles,
+    ROWWISE: tl.constexpr, SEGMENTED: tl.constexpr, E8M0: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TRANS_STORE: tl.constexpr,
+):  # fmt: skip
+    pid_m, pid_k, rows64, row_ok, cols, col_ok = _tile_pointers(
+        tile_start_ptr, tile_end_ptr, num_rows, num_cols, num_col_tiles,
+        SEGMENTED, BLOCK_M, BLOCK_K,
+    )  # fmt: skip
     x_ptrs = x_ptr + rows64[:, None] * stride_x + cols[None, :]
     x = tl.load(x_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
     _quantize_store_dual(

@@ -34,7 +34,7 @@ from mt_ops.fp8_quant import (
     _launch_1x128,
     _quantize_store_dual,
     _scale_storage,
-    _tile_rows,
+    _tile_pointers,
     quantize_1x128_dual_reference,
 )
 from mt_ops.swiglu import _swiglu_bwd
@@ -58,21 +58,6 @@ DualQuantized = tuple[Fp8Quantized, Fp8Quantized]
 # bwd_fused False runs the SwiGLU backward kernel and two dual quantizations instead of the
 # one-pass kernel (same bytes out, bit for bit); bench_ops_fp8.py times both.
 SWIGLU_QUANT_CONFIG = {"fwd_warps": 8, "bwd_warps": 16, "bwd_fused": True}
-
-
-@triton.jit
-def _tile_pointers(
-    tile_start_ptr, tile_end_ptr, num_rows, num_cols, num_col_tiles,
-    SEGMENTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    pid = tl.program_id(0)
-    pid_k = pid % num_col_tiles
-    pid_m = pid // num_col_tiles
-    row_start, row_end = _tile_rows(tile_start_ptr, tile_end_ptr, pid_m, num_rows,
-                                    SEGMENTED, BLOCK_M)  # fmt: skip
-    rows = row_start + tl.arange(0, BLOCK_M)
-    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    return pid_m, pid_k, rows.to(tl.int64), rows < row_end, cols, cols < num_cols
 
 
 @triton.jit
