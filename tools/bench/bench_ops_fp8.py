@@ -147,7 +147,7 @@ def sweep() -> None:
     """Times kernel settings on the bench's shapes and keeps the fastest of each.
 
     Results set the defaults beside ``QUANT_CONFIG``, ``SWIGLU_QUANT_CONFIG``,
-    ``GEMM_CONFIG`` and ``WGRAD_CONFIG``.
+    ``GEMM_CONFIG``, ``TMA`` and ``WGRAD_TMA_CONFIG`` (``WGRAD_CONFIG`` without TMA).
     """
     x = torch.randn(65536, 4096, device="cuda", dtype=torch.bfloat16)
     qc = fp8_quant.QUANT_CONFIG
@@ -172,6 +172,10 @@ def sweep() -> None:
     xq, xqt = quantize_1x128_dual(x, tiles=tiles)
     (wq, _) = quantize_128x128(w)
     flops = 2 * rows * dim * hidden
+    tma = fp8_gemm.TMA
+    ms = _best("gemm fprop loads", [{"enabled": e, "persistent": p} for e, p in
+                                    ((False, False), (True, False), (True, True))],
+               lambda: fp8_grouped_gemm(xq, wq, tiles, backend="triton"), tma)  # fmt: skip
     gemm_cands = [{"N_FASTEST": nf, "num_stages": s, "num_warps": 8}
                   for nf, s in ((False, 4), (True, 4), (True, 3), (True, 5))]  # fmt: skip
     ms = _best("gemm fprop", gemm_cands, lambda: fp8_grouped_gemm(xq, wq, tiles, backend="triton"),
@@ -179,16 +183,17 @@ def sweep() -> None:
     print(f"  fprop best {flops / ms / 1e9:.0f} TFLOP/s")
     _, dyqt = quantize_1x128_dual(gate, tiles=tiles)
     ref_w = fp8_grouped_wgrad_reference(dyqt, xqt, tiles)
-    wgrad_cands = ((64, 128, 4, 8), (64, 128, 3, 4), (64, 128, 5, 8), (128, 128, 4, 8),
-                   (64, 256, 3, 8), (128, 64, 4, 8))  # fmt: skip
+    wgrad_cands = ((128, 64, 4, 4), (64, 128, 4, 4), (64, 128, 4, 8), (128, 128, 3, 8),
+                   (64, 256, 3, 8), (128, 64, 5, 4))  # fmt: skip
+    wgrad_config = fp8_gemm.WGRAD_TMA_CONFIG if tma["enabled"] else fp8_gemm.WGRAD_CONFIG
     ms = _best("wgrad", [{"BLOCK_M": bm, "BLOCK_N": bn, "num_stages": s, "num_warps": nw}
                          for bm, bn, s, nw in wgrad_cands],
                lambda: fp8_grouped_wgrad(dyqt, xqt, tiles, backend="triton"),
-               fp8_gemm.WGRAD_CONFIG)  # fmt: skip
+               wgrad_config)  # fmt: skip
     got = fp8_grouped_wgrad(dyqt, xqt, tiles, backend="triton")
     err = float((got - ref_w).norm() / ref_w.norm())
     print(f"  wgrad best {flops / ms / 1e9:.0f} TFLOP/s, err vs emulation {err:.1e}")
-    print("chosen:", fp8_quant.QUANT_CONFIG, sc, fp8_gemm.GEMM_CONFIG, fp8_gemm.WGRAD_CONFIG)
+    print("chosen:", fp8_quant.QUANT_CONFIG, sc, fp8_gemm.GEMM_CONFIG, tma, wgrad_config)
 
 
 def counts_for(num_rows: int, num_experts: int, skewed: bool) -> torch.Tensor:
@@ -289,7 +294,7 @@ def expert_mlp(name: str, num_tokens: int, skewed: bool) -> None:
     counts = counts_for(rows, num_experts, skewed)
     flops = 3 * 3 * 2 * rows * dim * hidden  # 3 GEMMs, each fwd + dgrad + wgrad
 
-    def build(fp8: bool, cache=None):
+    def build(fp8: bool, cache=None, master=False):
         torch.manual_seed(0)
         projs = []
         for d_in, d_out in ((dim, hidden), (dim, hidden), (hidden, dim)):
@@ -297,7 +302,7 @@ def expert_mlp(name: str, num_tokens: int, skewed: bool) -> None:
             torch.nn.init.normal_(m.weight, std=d_in**-0.5)
             if fp8:
                 m = FP8GroupedLinear.from_grouped_linear(m, weight_cache=cache, backend="triton")
-            else:
+            if not master:
                 m = m.bfloat16()
             projs.append(m)
         return projs
@@ -320,12 +325,17 @@ def expert_mlp(name: str, num_tokens: int, skewed: bool) -> None:
         for proj in projs:
             proj.weight.grad = None
 
+    # Parameters in BF16 on both sides, as FSDP2 mixed precision presents the unsharded
+    # weights to the experts (gradients in BF16 too); "fp32 master" keeps FP32 parameters
+    # in the FP8 modules (one-process training), whose gradients are FP32.
     bf16 = build(False)
     cache = FP8WeightCache()
     fp8 = build(True, cache)
+    fp8_master = build(True, FP8WeightCache(), master=True)
     ms_bf16 = bench_ms(lambda: step(bf16))
     ms_fp8 = bench_ms(lambda: step(fp8))  # weights quantized once (warm cache)
     ms_fused = bench_ms(lambda: fused_step(fp8))
+    ms_master = bench_ms(lambda: fused_step(fp8_master))
     cold = bench_ms(lambda: (cache.invalidate(), fused_step(fp8)))
     config = fp8_swiglu.SWIGLU_QUANT_CONFIG
     config["bwd_fused"] = not config["bwd_fused"]
@@ -344,7 +354,8 @@ def expert_mlp(name: str, num_tokens: int, skewed: bool) -> None:
         f"{name:17s} {'skewed' if skewed else 'balanced':8s} expert MLP fwd+bwd T={num_tokens}: "
         f"bf16 {ms_bf16:6.2f} ms ({flops / ms_bf16 / 1e9:4.0f} TFLOP/s) | fp8 modules "
         f"{ms_fp8:6.2f} ms = {ms_bf16 / ms_fp8:.2f}x | fp8 fused {ms_fused:6.2f} ms "
-        f"({flops / ms_fused / 1e9:4.0f}) = {ms_bf16 / ms_fused:.2f}x bf16 | fused incl. weight "
+        f"({flops / ms_fused / 1e9:4.0f}) = {ms_bf16 / ms_fused:.2f}x bf16 | fused, fp32 master "
+        f"{ms_master:6.2f} ms = {ms_bf16 / ms_master:.2f}x | fused incl. weight "
         f"quantization {cold:6.2f} ms = {ms_bf16 / cold:.2f}x | with the SwiGLU backward "
         f"{'unfused' if config['bwd_fused'] else 'fused'} {ms_other:6.2f} ms = "
         f"{ms_bf16 / ms_other:.2f}x"
@@ -368,7 +379,7 @@ def main() -> None:
     print(torch.cuda.get_device_name(), torch.__version__)
     copy_gbs = copy_bandwidth()
     print(f"copy bandwidth (read + write): {copy_gbs:.0f} GB/s")
-    print("cuBLAS blockwise _scaled_mm scale layout:", fp8_gemm._scaled_mm_scale_layout(0))
+    print("cuBLAS blockwise _scaled_mm works:", fp8_gemm._scaled_mm_works(0))
     print("probe errors:", fp8_gemm.SCALED_MM_PROBE_ERRORS)
     named = [
         ("sweep", sweep),

@@ -105,6 +105,12 @@ def test_grouped_wgrad_kernel_equals_emulation_and_accumulates_in_interpreter(
     assert torch.all(got[0] == 0) and torch.all(got[3] == 0)  # experts without tokens
     doubled = fp8_grouped_wgrad(p["dyqt"], p["xqt"], p["tiles"], out=got.clone())
     assert _relative(doubled, 2 * expected) <= 1e-5
+    # BF16 results (a BF16 parameter's gradient) round the fp32 accumulator once; the
+    # interpreter's bf16 cast is not faithful, so the GPU test checks the bits.
+    got_bf16 = fp8_grouped_wgrad(p["dyqt"], p["xqt"], p["tiles"], out_dtype=torch.bfloat16)
+    assert got_bf16.dtype == torch.bfloat16 and _relative(got_bf16, expected) <= 4e-3
+    with pytest.raises(ValueError, match="must be float32"):
+        fp8_grouped_wgrad(p["dyqt"], p["xqt"], p["tiles"], out=got.bfloat16())
 
 
 def test_emulated_fp8_products_are_within_calc_diff_of_exact_products():
@@ -145,6 +151,9 @@ HOPPER_FP8_ACCUMULATION = 3e-4
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("scale_format", ["fp32", "e8m0"])
 def test_gpu_fp8_gemms_equal_emulation_up_to_output_rounding(backend, scale_format):
+    if backend == "torch" and torch.cuda.get_device_capability() == (9, 0):
+        # On Hopper the dense K % 512 == 0 case below must take cuBLAS, not fall back.
+        assert gemm_module._scaled_mm_works(0), gemm_module.SCALED_MM_PROBE_ERRORS
     for counts, k_dim, n_dim in (([1024], 2048, 768), ([0, 300, 17, 0, 700, 1], 768, 2048)):
         p = _problem(counts, k_dim, n_dim, scale_format, device="cuda")
         tiles = p["tiles"]
@@ -157,6 +166,10 @@ def test_gpu_fp8_gemms_equal_emulation_up_to_output_rounding(backend, scale_form
         dw = fp8_grouped_wgrad(p["dyqt"], p["xqt"], tiles, backend=backend)
         expected_dw = fp8_grouped_wgrad_reference(p["dyqt"], p["xqt"], tiles)
         assert _relative(dw, expected_dw) <= HOPPER_FP8_ACCUMULATION
+        dw_bf16 = fp8_grouped_wgrad(
+            p["dyqt"], p["xqt"], tiles, out_dtype=torch.bfloat16, backend=backend
+        )
+        assert torch.equal(dw_bf16, dw.bfloat16())  # one rounding of the same accumulator
         y = fp8_grouped_gemm(p["xq"], p["wq"], tiles, out_dtype=torch.float32, backend=backend)
         assert calc_diff(y, _exact_grouped(p["x"], p["w"], counts)) <= 1e-3
 
@@ -171,3 +184,31 @@ def test_gpu_grouped_gemm_sum_equals_emulation_up_to_accumulation():
         p["dyq"], p["wqt"], a2q, w2q, p["tiles"], out_dtype=torch.float32
     )
     assert _relative(got, expected) <= HOPPER_FP8_ACCUMULATION
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_tma_loads_equal_pointer_loads_bit_for_bit(monkeypatch):
+    # The TMA path (persistent grouped GEMM, 128×64 wgrad tiles) and the pointer path add the
+    # same per-block products in the same order, so their results agree in every bit.
+    p = _problem([0, 300, 17, 0, 700, 1], 768, 2048, device="cuda")
+    a2q, w2q = _second_pair(p, "fp32")
+    tiles = p["tiles"]
+
+    def run():
+        return (
+            fp8_grouped_gemm(p["xq"], p["wq"], tiles, out_dtype=torch.float32, backend="triton"),
+            fp8_grouped_gemm(p["dyq"], p["wqt"], tiles, backend="triton"),
+            fp8_grouped_gemm_sum(p["dyq"], p["wqt"], a2q, w2q, tiles, backend="triton"),
+            fp8_grouped_wgrad(p["dyqt"], p["xqt"], tiles, backend="triton"),
+        )
+
+    assert gemm_module._use_tma(p["xq"].data, p["dyqt"].data)
+    with_tma = run()
+    for persistent in (False, True):
+        monkeypatch.setitem(gemm_module.TMA, "persistent", persistent)
+        for got, expected in zip(run(), with_tma, strict=True):
+            assert torch.equal(got, expected)
+    monkeypatch.setitem(gemm_module.TMA, "enabled", False)
+    for got, expected in zip(run(), with_tma, strict=True):
+        assert torch.equal(got, expected)

@@ -17,10 +17,11 @@ import torch
 try:
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
     HAS_TRITON = True
 except ImportError:  # pragma: no cover - triton ships with Linux torch wheels
-    triton, tl = None, None
+    triton, tl, TensorDescriptor = None, None, None
     HAS_TRITON = False
 try:  # the interpreter (CPU runs of kernels) also needs numpy, which torch does not require
     from triton.runtime import interpreter
@@ -28,7 +29,7 @@ try:  # the interpreter (CPU runs of kernels) also needs numpy, which torch does
 except ImportError:  # pragma: no cover
     interpreter, InterpretedFunction = None, None
 
-__all__ = ["HAS_TRITON", "cdiv", "launch", "triton", "tl", "use_kernels"]
+__all__ = ["HAS_TRITON", "TensorDescriptor", "cdiv", "launch", "triton", "tl", "use_kernels"]
 
 
 def cdiv(a: int, b: int) -> int:

@@ -55,7 +55,7 @@ def _weight_grad(param: Tensor, queue, compute) -> Tensor | None:
     """Returns dW now, or defers it into the queue the projection had at forward time
     (then autograd gets None), as ``FP8GroupedLinear`` does."""
     if queue is None:
-        return compute().view(param.shape).to(param.dtype)
+        return compute().view(param.shape)
     queue.push(lambda: accumulate_grad(param, compute().view(param.shape)))
     return None
 
@@ -111,8 +111,8 @@ class _FP8SwiGLUExpertsFn(torch.autograd.Function):
             strict=True,
         ):
 
-            def compute(a_t=a_t, b_t=b_t) -> Tensor:
-                return fp8_grouped_wgrad(a_t, b_t, tiles, backend=backend)
+            def compute(a_t=a_t, b_t=b_t, dtype=param.dtype) -> Tensor:
+                return fp8_grouped_wgrad(a_t, b_t, tiles, out_dtype=dtype, backend=backend)
 
             grads.append(_weight_grad(param, queue, compute) if needed else None)
         return grad_x, *grads, None, None

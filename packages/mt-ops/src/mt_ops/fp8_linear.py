@@ -174,10 +174,10 @@ class _FP8GroupedLinearFn(torch.autograd.Function):
             param, backend = ctx.weight_param, ctx.backend
 
             def weight_grad() -> Tensor:
-                return fp8_grouped_wgrad(dy_qt, x_qt, tiles, backend=backend)
+                return fp8_grouped_wgrad(dy_qt, x_qt, tiles, out_dtype=param.dtype, backend=backend)
 
             if ctx.queue is None:
-                grad_w = weight_grad().view(ctx.w_shape).to(param.dtype)
+                grad_w = weight_grad().view(ctx.w_shape)
             else:
                 ctx.queue.push(lambda: accumulate_grad(param, weight_grad().view(param.shape)))
         grad_b = None
