@@ -8,7 +8,9 @@ Each line prints a ratio against a baseline measured in the same run:
 - the grouped expert MLP (gate, up, SwiGLU, down; forward + dgrad + wgrad, activation
   quantization included, weights from a warm per-step cache) in FP8 against BF16, on the
   expert shapes of Qwen3-30B-A3B and DeepSeek-V2-Lite at 16k tokens, balanced and skewed:
-  composed from FP8GroupedLinear modules, and as the fused ``fp8_swiglu_experts``;
+  composed from FP8GroupedLinear modules, and as the fused ``fp8_swiglu_experts``; with
+  BF16 parameters and gradients on both sides (as FSDP2 mixed precision presents them),
+  and the fused op with FP32 master parameters (FP32 gradients), and with a cold cache;
 - fused SwiGLU + quantization against SwiGLU then quantization.
 
 ``--sections`` picks parts (default all); leaving out ``sweep`` (or ``--skip-sweep``) keeps

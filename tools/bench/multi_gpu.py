@@ -109,9 +109,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="write results.json here")
     parser.add_argument("--skip-equivalence", action="store_true")
-    parser.add_argument("--skip-training", action="store_true")
+    parser.add_argument("--skip-training", action="store_true",
+                        help="skip the BF16 training parity of the debug presets")
     parser.add_argument("--real-layers", type=int, default=0,
                         help="also train the real recipes cut to this many layers (even)")
+    parser.add_argument("--real-recipes", default="qwen3-30b-a3b,deepseek-v2-lite,gpt-oss-20b",
+                        help="with --real-layers, which real recipes (comma-separated)")
+    parser.add_argument("--skip-real-training", action="store_true",
+                        help="with --real-layers, skip the BF16 training of the real recipes")
     parser.add_argument("--real-fp32", action="store_true",
                         help="with --real-layers, also the FP32 equivalence of the real presets")
     parser.add_argument("--throughput", action="store_true",
@@ -121,6 +126,9 @@ def main() -> int:
     parser.add_argument("--throughput-batch", type=int, default=128,
                         help="global batch in sequences (micro-batches of 8 over all GPUs)")
     args = parser.parse_args()
+    chosen = args.real_recipes.split(",")
+    if unknown := sorted(set(chosen) - set(_real_recipes(2))):
+        parser.error(f"--real-recipes: unknown {unknown}; pick from {list(_real_recipes(2))}")
     gpus = torch.cuda.device_count()
     sizes = [n for n in (2, 4, 8) if n <= gpus]
     print(f"{gpus} GPU(s): {torch.cuda.get_device_name(0) if gpus else 'none'}", flush=True)
@@ -133,20 +141,20 @@ def main() -> int:
             results["equivalence"][n] = "pass (fp32, loss and grads within 1e-5)"
             print(f"[equivalence] {n} GPUs, layouts {LAYOUTS[n]}: pass", flush=True)
     for n in sizes if args.real_layers and args.real_fp32 else []:
-        cases = [(cfg, LAYOUTS[n][:2]) for cfg in _real_presets(args.real_layers)]
+        presets = zip(_real_recipes(2), _real_presets(args.real_layers), strict=True)
+        cases = [(cfg, LAYOUTS[n][:2]) for name, cfg in presets if name in chosen]
         spawn(check_many, n, cases, backend="nccl", device="cuda", seq_len=64,
               global_batch=2 * n, micro_batch=n, steps=1, seed=1)
         results["equivalence"][f"{n}-real"] = "pass (fp32, loss and grads within 1e-5)"
         print(f"[equivalence] {n} GPUs, real presets x{args.real_layers} layers, "
               f"layouts {LAYOUTS[n][:2]}: pass", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        if args.skip_training:
-            sizes = []
-        else:
+        debug_sizes = [] if args.skip_training else sizes
+        if debug_sizes:
             reference = _train(1, Path(tmp) / "one", [])
             print(f"[training] 1 GPU bf16 losses: {[round(x, 4) for x in reference]}",
                   flush=True)
-        for n in sizes:
+        for n in debug_sizes:
             for layout in TRAIN_LAYOUTS[n]:
                 losses = _train(n, Path(tmp) / f"n{n}-{layout.replace(' ', '_')}", layout.split())
                 worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=True))
@@ -155,7 +163,8 @@ def main() -> int:
                 print(f"[training] {n} GPUs {layout}: max rel loss diff {worst:.2e} {verdict}",
                       flush=True)
         real = _real_recipes(args.real_layers) if args.real_layers and sizes else {}
-        for recipe, overrides in real.items():
+        real = {} if args.skip_real_training else real
+        for recipe, overrides in ((r, o) for r, o in real.items() if r in chosen):
             one = _train(1, Path(tmp) / f"{recipe}-one", overrides, recipe)
             for n in sizes:
                 layout = TRAIN_LAYOUTS[n][0]

@@ -133,6 +133,10 @@ GEMM_CONFIG = {"num_stages": 4, "num_warps": 8, "MAX_IMPRECISE": None, "N_FASTES
 # 16k tokens, TFLOP/s, pointer loads -> TMA persistent: Qwen3 gate fprop 707 -> 751, down
 # 552 -> 573; DeepSeek-V2-Lite 690 -> 735 and 665 -> 699 (non-persistent TMA: 734, 557).
 # TMA needs 16-byte aligned rows (K % 16 == 0); other shapes take the pointer loads.
+# Tried and not kept (same H200 shapes): flattened persistent loops (tl.range flatten=True)
+# and Triton's warp specialization, 0.98-1.01x; two programs per SM, 0.97x; a manually
+# software-pipelined promotion (next block's MMA issued before this block's scaling) or two
+# K blocks per iteration, 0.65-0.99x.
 TMA = {"enabled": True, "persistent": True}
 
 

@@ -54,7 +54,9 @@ DualQuantized = tuple[Fp8Quantized, Fp8Quantized]
 # 4 (spills: both gradients are quantized from registers). That is no faster than the
 # unfused SwiGLU backward (235 us in the MLP profile) plus two dual quantizations; the
 # bench's unfused timing of 664-735 us included a SwiGLU forward, so the two were not yet
-# compared cleanly. Splitting dgate and dup over two programs is the next thing to try.
+# compared cleanly. Splitting dgate and dup over two programs (each quantizing one
+# gradient) was slower: 774-782 us at 8-16 warps, 2555 at 4 (Qwen3 tiles; DeepSeek-V2-Lite
+# [98304, 1408]: 914 us fused at 16 warps, 1029-1035 split).
 # bwd_fused False runs the SwiGLU backward kernel and two dual quantizations instead of the
 # one-pass kernel (same bytes out, bit for bit); bench_ops_fp8.py times both.
 SWIGLU_QUANT_CONFIG = {"fwd_warps": 8, "bwd_warps": 16, "bwd_fused": True}
