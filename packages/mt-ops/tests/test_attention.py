@@ -201,3 +201,85 @@ def test_document_ids_keep_attention_inside_each_packed_document():
     torch.testing.assert_close(out[1:], attention(q[1:], k[1:], v[1:], window=3))
     with pytest.raises(ValueError, match="given together"):
         attention(q, k, v, q_document_ids=docs)
+
+
+# The flex_attention path (sinks and LSE requests on CUDA), run eagerly on CPU: its block
+# mask must apply the reference's rules (causal, window, chunk positions, documents, a
+# query that sees no key) and its output and LSE must be the reference's. Flex has no
+# backward on CPU; the GPU test checks the q/k/v gradients, this one the sinks' gradient.
+FLEX_CASES = {
+    "causal GQA": dict(causal=True),
+    "full": dict(causal=False),
+    "window": dict(window=5),
+    "chunk positions, queries with no key": dict(
+        q_positions=torch.arange(20) + 12, kv_positions=torch.arange(20) + 4, window=6
+    ),
+    "documents": dict(
+        q_document_ids=torch.tensor([[0] * 7 + [1] * 9 + [2] * 4, [0] * 20]),
+        kv_document_ids=torch.tensor([[0] * 7 + [1] * 9 + [2] * 4, [0] * 20]),
+        window=4,
+    ),
+}
+
+
+def flex_options(rules):
+    names = ("q_positions", "kv_positions", "q_document_ids", "kv_document_ids", "window")
+    return {**dict.fromkeys(names), "causal": True, "scale": 0.3, **rules}
+
+
+@pytest.mark.parametrize("name", list(FLEX_CASES))
+def test_flex_path_equals_reference_output_lse_and_sink_gradients(name):
+    from mt_ops.attention import _flex_attention_lse, _with_sinks
+
+    q, k, v = _qkv((2, 4, 2, 20, 16), torch.float32, seed=11)
+    options = flex_options(FLEX_CASES[name])
+    sinks = torch.tensor([-1.0, 0.0, 0.5, 2.0], requires_grad=True)
+    ref_sinks = sinks.detach().clone().requires_grad_(True)
+    out, lse = _flex_attention_lse(q, k, v, compiled=False, **options)
+    ref, ref_lse = attention_reference(q, k, v, return_lse=True, **options)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    if "no key" in name:
+        assert bool(torch.isneginf(lse).any())  # the case does have queries without keys
+    out, lse = _with_sinks(out, lse, sinks)
+    ref, ref_lse = attention_reference(q, k, v, sinks=ref_sinks, return_lse=True, **options)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    weights = torch.randn_like(ref)
+    ((out * weights).sum() + lse.sum()).backward()
+    ((ref * weights).sum() + ref_lse.sum()).backward()
+    torch.testing.assert_close(sinks.grad, ref_sinks.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_sinks_and_lse_take_compiled_flex_and_match_reference_with_gradients():
+    import torch._dynamo.utils
+
+    from mt_ops.attention import _flex_supported
+
+    def check(name, seed):
+        options = flex_options(FLEX_CASES[name])
+        options = {key: t.cuda() if isinstance(t, torch.Tensor) else t
+                   for key, t in options.items()}  # fmt: skip
+        q, k, v = (t.cuda() for t in _qkv((2, 8, 2, 20, 64), torch.bfloat16, seed=seed))
+        sinks = torch.linspace(-1, 2, 8, device="cuda")
+        assert _flex_supported(q, v)
+        results = []
+        for run in (attention, attention_reference):
+            inputs = [t.clone().requires_grad_(True) for t in (q, k, v)]
+            sink = sinks.clone().requires_grad_(True)
+            out, lse = run(*inputs, sinks=sink, return_lse=True, **options)
+            weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(0)).cuda()
+            ((out.float() * weights).sum() + lse.sum()).backward()
+            results.append([out.float(), lse, *(t.grad.float() for t in (*inputs, sink))])
+        for got, expected in zip(*results, strict=True):
+            rel = float((got - expected).norm() / expected.norm().clamp_min(1e-12))
+            assert rel <= 1e-2, (name, rel)  # bf16 inputs and outputs (reference in fp32)
+
+    # Sliding window + chunk positions + queries without keys, and packed documents.
+    for name in ("chunk positions, queries with no key", "documents"):
+        check(name, seed=12)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    check("documents", seed=13)  # new data, same rules: no recompilation
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs

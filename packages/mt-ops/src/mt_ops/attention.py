@@ -6,9 +6,11 @@ gradients: O(S²) memory per head. Fused kernels (Flash / cuDNN SDPA, FlashAtten
 stream K/V tiles through an online softmax and keep only the per-row log-sum-exp (LSE).
 The public op uses ``torch.nn.functional.scaled_dot_product_attention`` (which picks Flash,
 cuDNN, memory-efficient or math by capability) for plain causal attention, and SDPA with a
-boolean mask for sliding windows and explicit positions. Context parallelism needs the LSE
-to merge partial results, and sinks need it too; until a kernel returns it, those requests
-run the reference.
+boolean mask for sliding windows and explicit positions. Sinks (GPT-OSS) and LSE requests
+need the log-sum-exp, which SDPA does not return: on CUDA they run compiled
+``flex_attention`` (a fused Triton kernel that returns the LSE and takes its gradient) with
+a block mask built from the same rules, then :func:`apply_sinks`; on CPU, and for head dims
+flex does not compile (not a power of two from 16 to 256), they run the reference.
 
 Conventions:
 
@@ -30,12 +32,17 @@ Conventions:
 """
 
 import math
+from functools import cache
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
 __all__ = ["apply_sinks", "attention", "attention_reference"]
+
+# Set "enabled" to False to send sinks and LSE requests on CUDA to the reference instead.
+FLEX = {"enabled": True}
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, window: int | None, sinks: Tensor | None) -> None:
@@ -154,6 +161,82 @@ def apply_sinks(out_BHSD: Tensor, lse_BHS: Tensor, sinks_H: Tensor) -> Tensor:
     return (out_BHSD.float() * keep_BHS[..., None]).to(out_BHSD.dtype)
 
 
+def _with_sinks(out_BHSD: Tensor, lse_BHS: Tensor, sinks_H: Tensor | None):
+    """``(out, lse)`` with the sinks folded in (both unchanged without sinks)."""
+    if sinks_H is None:
+        return out_BHSD, lse_BHS
+    lse_with_sink = torch.logaddexp(lse_BHS, sinks_H.float()[None, :, None].expand_as(lse_BHS))
+    return apply_sinks(out_BHSD, lse_BHS, sinks_H), lse_with_sink
+
+
+@cache
+def _compiled_flex():
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex_supported(q_BHSD: Tensor, v_BHSD: Tensor) -> bool:
+    dims = (q_BHSD.shape[-1], v_BHSD.shape[-1])
+    return (
+        FLEX["enabled"]
+        and q_BHSD.is_cuda
+        and all(16 <= d <= 256 and d & (d - 1) == 0 for d in dims)
+        and min(q_BHSD.shape[2], v_BHSD.shape[2]) > 0
+    )
+
+
+def _flex_attention_lse(
+    q_BHSD: Tensor,
+    k_BHSD: Tensor,
+    v_BHSD: Tensor,
+    *,
+    causal: bool,
+    scale: float | None,
+    window: int | None,
+    q_positions: Tensor | None,
+    kv_positions: Tensor | None,
+    q_document_ids: Tensor | None,
+    kv_document_ids: Tensor | None,
+    compiled: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` of :func:`attention` without sinks, by ``flex_attention``.
+
+    The block mask applies :func:`visible_mask`'s rules per (query, key) pair; a query
+    that sees no key gets output 0 and LSE -inf, as the reference. ``compiled=False`` runs
+    flex eagerly (its unfused math path), which is how CPU tests check the mask logic.
+    """
+    batch, seq_q, seq_k = q_BHSD.shape[0], q_BHSD.shape[2], k_BHSD.shape[2]
+    device = q_BHSD.device
+    if (q_document_ids is None) != (kv_document_ids is None):
+        raise ValueError(
+            "q_document_ids and kv_document_ids must be given together; pass the same "
+            "ids twice for self-attention"
+        )
+    block_mask = None
+    if causal or window is not None or q_document_ids is not None:
+        q_pos = _positions(q_positions, seq_q, device).expand(batch, seq_q)
+        kv_pos = _positions(kv_positions, seq_k, device).expand(batch, seq_k)
+        if q_document_ids is not None:
+            q_doc = _positions(q_document_ids, seq_q, device).expand(batch, seq_q)
+            kv_doc = _positions(kv_document_ids, seq_k, device).expand(batch, seq_k)
+
+        def visible(b, h, q_idx, kv_idx):
+            distance = q_pos[b, q_idx] - kv_pos[b, kv_idx]
+            seen = distance >= 0 if causal else distance == distance
+            if window is not None:
+                seen = seen & (distance < window)
+            if q_document_ids is not None:
+                seen = seen & (q_doc[b, q_idx] == kv_doc[b, kv_idx])
+            return seen
+
+        block_mask = create_block_mask(visible, batch, None, seq_q, seq_k, device=device)
+    run = _compiled_flex() if compiled else flex_attention
+    out, aux = run(
+        q_BHSD, k_BHSD, v_BHSD, block_mask=block_mask, scale=scale,
+        enable_gqa=q_BHSD.shape[1] != k_BHSD.shape[1], return_aux=AuxRequest(lse=True),
+    )  # fmt: skip
+    return out, aux.lse
+
+
 def attention(
     q_BHSD: Tensor,
     k_BHSD: Tensor,
@@ -203,7 +286,11 @@ def attention(
         kv_document_ids=kv_document_ids,
     )
     if return_lse or sinks is not None:
-        return attention_reference(q_BHSD, k_BHSD, v_BHSD, return_lse=return_lse, **kwargs)
+        if not _flex_supported(q_BHSD, v_BHSD):
+            return attention_reference(q_BHSD, k_BHSD, v_BHSD, return_lse=return_lse, **kwargs)
+        del kwargs["sinks"]
+        out, lse = _with_sinks(*_flex_attention_lse(q_BHSD, k_BHSD, v_BHSD, **kwargs), sinks)
+        return (out, lse) if return_lse else out
     enable_gqa = q_BHSD.shape[1] != k_BHSD.shape[1]
     plain = window is None and q_document_ids is None and kv_document_ids is None
     if plain and q_positions is None and kv_positions is None:
@@ -301,8 +388,6 @@ def attention_reference(
         has_keys, row_max + torch.log(safe_sum), torch.full_like(row_sum, float("-inf"))
     ).squeeze(-1)  # [B, Hq, Sq]
     out = torch.matmul(probs, v)  # [B, Hq, Sq, Dv]
-    if sinks is not None:
-        out = apply_sinks(out, lse, sinks)
-        lse = torch.logaddexp(lse, sinks.float()[None, :, None].expand_as(lse))
+    out, lse = _with_sinks(out, lse, sinks)
     out = out.to(q_BHSD.dtype)
     return (out, lse) if return_lse else out
