@@ -175,9 +175,9 @@ def sweep() -> None:
     (wq, _) = quantize_128x128(w)
     flops = 2 * rows * dim * hidden
     tma = fp8_gemm.TMA
-    ms = _best("gemm fprop loads", [{"enabled": e, "persistent": p} for e, p in
-                                    ((False, False), (True, False), (True, True))],
-               lambda: fp8_grouped_gemm(xq, wq, tiles, backend="triton"), tma)  # fmt: skip
+    _best("gemm fprop loads", [{"enabled": e, "persistent": p} for e, p in
+                               ((False, False), (True, False), (True, True))],
+          lambda: fp8_grouped_gemm(xq, wq, tiles, backend="triton"), tma)  # fmt: skip
     gemm_cands = [{"N_FASTEST": nf, "num_stages": s, "num_warps": 8}
                   for nf, s in ((False, 4), (True, 4), (True, 3), (True, 5))]  # fmt: skip
     ms = _best("gemm fprop", gemm_cands, lambda: fp8_grouped_gemm(xq, wq, tiles, backend="triton"),

@@ -186,29 +186,38 @@ def test_gpu_grouped_gemm_sum_equals_emulation_up_to_accumulation():
     assert _relative(got, expected) <= HOPPER_FP8_ACCUMULATION
 
 
+TRITON = "triton"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_tma_loads_equal_pointer_loads_bit_for_bit(monkeypatch):
     # The TMA path (persistent grouped GEMM, 128×64 wgrad tiles) and the pointer path add the
-    # same per-block products in the same order, so their results agree in every bit.
-    p = _problem([0, 300, 17, 0, 700, 1], 768, 2048, device="cuda")
-    a2q, w2q = _second_pair(p, "fp32")
-    tiles = p["tiles"]
+    # same per-block products in the same order, so their results agree in every bit: with
+    # whole tiles, with partial N, K and row tiles, and with no rows at all.
+    for counts, k_dim, n_dim in (
+        ([0, 300, 17, 0, 700, 1], 768, 2048),
+        ([0, 300, 17, 5], 272, 200),
+        ([0, 0], 256, 128),
+    ):
+        p = _problem(counts, k_dim, n_dim, device="cuda")
+        a2q, w2q = _second_pair(p, "fp32")
+        tiles = p["tiles"]
 
-    def run():
-        return (
-            fp8_grouped_gemm(p["xq"], p["wq"], tiles, out_dtype=torch.float32, backend="triton"),
-            fp8_grouped_gemm(p["dyq"], p["wqt"], tiles, backend="triton"),
-            fp8_grouped_gemm_sum(p["dyq"], p["wqt"], a2q, w2q, tiles, backend="triton"),
-            fp8_grouped_wgrad(p["dyqt"], p["xqt"], tiles, backend="triton"),
-        )
+        def run(p=p, a2q=a2q, w2q=w2q, tiles=tiles):
+            return (
+                fp8_grouped_gemm(p["xq"], p["wq"], tiles, out_dtype=torch.float32, backend=TRITON),
+                fp8_grouped_gemm(p["dyq"], p["wqt"], tiles, backend="triton"),
+                fp8_grouped_gemm_sum(p["dyq"], p["wqt"], a2q, w2q, tiles, backend="triton"),
+                fp8_grouped_wgrad(p["dyqt"], p["xqt"], tiles, backend="triton"),
+            )
 
-    assert gemm_module._use_tma(p["xq"].data, p["dyqt"].data)
-    with_tma = run()
-    for persistent in (False, True):
-        monkeypatch.setitem(gemm_module.TMA, "persistent", persistent)
-        for got, expected in zip(run(), with_tma, strict=True):
-            assert torch.equal(got, expected)
-    monkeypatch.setitem(gemm_module.TMA, "enabled", False)
-    for got, expected in zip(run(), with_tma, strict=True):
-        assert torch.equal(got, expected)
+        assert gemm_module._use_tma(p["dyqt"].data) and gemm_module._use_tma(p["wq"].data)
+        with monkeypatch.context() as patch:
+            with_tma = run()  # persistent
+            patch.setitem(gemm_module.TMA, "persistent", False)
+            for got, expected in zip(run(), with_tma, strict=True):
+                assert torch.equal(got, expected), counts
+            patch.setitem(gemm_module.TMA, "enabled", False)
+            for got, expected in zip(run(), with_tma, strict=True):
+                assert torch.equal(got, expected), counts

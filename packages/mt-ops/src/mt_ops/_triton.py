@@ -17,12 +17,14 @@ import torch
 try:
     import triton
     import triton.language as tl
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     HAS_TRITON = True
 except ImportError:  # pragma: no cover - triton ships with Linux torch wheels
-    triton, tl, TensorDescriptor = None, None, None
+    triton, tl = None, None
     HAS_TRITON = False
+try:  # TMA descriptors (Triton >= 3.4); without them the kernels use pointer loads
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover
+    TensorDescriptor = None
 try:  # the interpreter (CPU runs of kernels) also needs numpy, which torch does not require
     from triton.runtime import interpreter
     from triton.runtime.interpreter import InterpretedFunction

@@ -171,7 +171,10 @@ def _with_sinks(out_BHSD: Tensor, lse_BHS: Tensor, sinks_H: Tensor | None):
 
 @cache
 def _compiled_flex():
-    return torch.compile(flex_attention, dynamic=False)
+    # Default dynamic shapes: one static compile, and on a second sequence length one
+    # dynamic-shape recompile (instead of one per length up to dynamo's recompile limit,
+    # then the eager, O(S²) flex fallback) for generation and evaluation lengths.
+    return torch.compile(flex_attention)
 
 
 def _flex_supported(q_BHSD: Tensor, v_BHSD: Tensor) -> bool:
@@ -213,11 +216,18 @@ def _flex_attention_lse(
         )
     block_mask = None
     if causal or window is not None or q_document_ids is not None:
-        q_pos = _positions(q_positions, seq_q, device).expand(batch, seq_q)
-        kv_pos = _positions(kv_positions, seq_k, device).expand(batch, seq_k)
+        rules = [_positions(q_positions, seq_q, device), _positions(kv_positions, seq_k, device)]
         if q_document_ids is not None:
-            q_doc = _positions(q_document_ids, seq_q, device).expand(batch, seq_q)
-            kv_doc = _positions(kv_document_ids, seq_k, device).expand(batch, seq_k)
+            rules += [_positions(q_document_ids, seq_q, device)]
+            rules += [_positions(kv_document_ids, seq_k, device)]
+        # One block mask for the whole batch when no rule varies by row: create_block_mask
+        # evaluates the rules over every (query, key) pair of each batch entry it is given.
+        # The kernel evaluates them again in partial blocks, for every row: hence the
+        # (stride-0) expansion to the full batch.
+        mask_batch = max(t.shape[0] for t in rules)
+        q_pos, kv_pos, *docs = (t.expand(batch, t.shape[1]) for t in rules)
+        if docs:
+            q_doc, kv_doc = docs
 
         def visible(b, h, q_idx, kv_idx):
             distance = q_pos[b, q_idx] - kv_pos[b, kv_idx]
@@ -228,7 +238,7 @@ def _flex_attention_lse(
                 seen = seen & (q_doc[b, q_idx] == kv_doc[b, kv_idx])
             return seen
 
-        block_mask = create_block_mask(visible, batch, None, seq_q, seq_k, device=device)
+        block_mask = create_block_mask(visible, mask_batch, None, seq_q, seq_k, device=device)
     run = _compiled_flex() if compiled else flex_attention
     out, aux = run(
         q_BHSD, k_BHSD, v_BHSD, block_mask=block_mask, scale=scale,
