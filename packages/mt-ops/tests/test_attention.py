@@ -251,6 +251,21 @@ def test_flex_path_equals_reference_output_lse_and_sink_gradients(name):
     torch.testing.assert_close(sinks.grad, ref_sinks.grad, rtol=1e-4, atol=1e-5)
 
 
+def test_flex_block_mask_of_index_rules_is_built_once_per_shape():
+    from mt_ops.attention import _flex_attention_lse, _index_block_mask
+
+    q, k, v = _qkv((2, 4, 2, 20, 16), torch.float32, seed=3)
+    _index_block_mask.cache_clear()
+    for batch in (2, 1, 2):  # the mask has batch 1 and broadcasts
+        out, _ = _flex_attention_lse(
+            q[:batch], k[:batch], v[:batch], compiled=False, **flex_options({"window": 5})
+        )
+        expected = attention_reference(q[:batch], k[:batch], v[:batch], window=5, scale=0.3)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    info = _index_block_mask.cache_info()
+    assert (info.misses, info.hits) == (1, 2)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_sinks_and_lse_take_compiled_flex_and_match_reference_with_gradients():
@@ -277,8 +292,9 @@ def test_gpu_sinks_and_lse_take_compiled_flex_and_match_reference_with_gradients
             rel = float((got - expected).norm() / expected.norm().clamp_min(1e-12))
             assert rel <= 1e-2, (name, rel)  # bf16 inputs and outputs (reference in fp32)
 
-    # Sliding window + chunk positions + queries without keys, and packed documents.
-    for name in ("chunk positions, queries with no key", "documents"):
+    # Causal window on indices (the cached mask), window + chunk positions + queries
+    # without keys, and packed documents.
+    for name in ("window", "chunk positions, queries with no key", "documents"):
         check(name, seed=12)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     check("documents", seed=13)  # new data, same rules: no recompilation

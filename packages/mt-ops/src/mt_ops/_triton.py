@@ -17,6 +17,7 @@ import torch
 try:
     import triton
     import triton.language as tl
+
     HAS_TRITON = True
 except ImportError:  # pragma: no cover - triton ships with Linux torch wheels
     triton, tl = None, None

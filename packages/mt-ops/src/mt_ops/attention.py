@@ -32,7 +32,7 @@ Conventions:
 """
 
 import math
-from functools import cache
+from functools import cache, lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -187,6 +187,48 @@ def _flex_supported(q_BHSD: Tensor, v_BHSD: Tensor) -> bool:
     )
 
 
+def _block_mask(
+    causal, window, batch, seq_q, seq_k, device,
+    q_positions, kv_positions, q_document_ids, kv_document_ids,
+):  # fmt: skip
+    """flex's BlockMask for :func:`visible_mask`'s rules (arguments as there)."""
+    given = [q_positions, kv_positions, q_document_ids, kv_document_ids]
+    lengths = [seq_q, seq_k, seq_q, seq_k]
+    rules = [
+        None if t is None else _positions(t, n, device) for t, n in zip(given, lengths, strict=True)
+    ]
+    # One block mask for the whole batch when no rule varies by row: create_block_mask
+    # evaluates the rules over every (query, key) pair of each batch entry it is given.
+    # The kernel evaluates them again in partial blocks, for every row: hence the
+    # (stride-0) expansion of given rules to the full batch. Missing positions are indices.
+    mask_batch = max([t.shape[0] for t in rules if t is not None], default=1)
+    q_pos, kv_pos, q_doc, kv_doc = (
+        None if t is None else t.expand(batch, t.shape[1]) for t in rules
+    )
+
+    def visible(b, h, q_idx, kv_idx):
+        q_at = q_idx if q_pos is None else q_pos[b, q_idx]
+        kv_at = kv_idx if kv_pos is None else kv_pos[b, kv_idx]
+        distance = q_at - kv_at
+        seen = distance >= 0 if causal else distance == distance
+        if window is not None:
+            seen = seen & (distance < window)
+        if q_doc is not None:
+            seen = seen & (q_doc[b, q_idx] == kv_doc[b, kv_idx])
+        return seen
+
+    return create_block_mask(visible, mask_batch, None, seq_q, seq_k, device=device)
+
+
+@lru_cache(maxsize=16)
+def _index_block_mask(causal, window, seq_q, seq_k, device, inference_mode):
+    """The block mask of causal / window rules on indices, built once per shape (every
+    layer of a step, and every step, reuses it); keyed on inference mode too, since
+    tensors made under it cannot be saved for a backward."""
+    del inference_mode
+    return _block_mask(causal, window, 1, seq_q, seq_k, device, None, None, None, None)
+
+
 def _flex_attention_lse(
     q_BHSD: Tensor,
     k_BHSD: Tensor,
@@ -215,30 +257,16 @@ def _flex_attention_lse(
             "ids twice for self-attention"
         )
     block_mask = None
-    if causal or window is not None or q_document_ids is not None:
-        rules = [_positions(q_positions, seq_q, device), _positions(kv_positions, seq_k, device)]
-        if q_document_ids is not None:
-            rules += [_positions(q_document_ids, seq_q, device)]
-            rules += [_positions(kv_document_ids, seq_k, device)]
-        # One block mask for the whole batch when no rule varies by row: create_block_mask
-        # evaluates the rules over every (query, key) pair of each batch entry it is given.
-        # The kernel evaluates them again in partial blocks, for every row: hence the
-        # (stride-0) expansion to the full batch.
-        mask_batch = max(t.shape[0] for t in rules)
-        q_pos, kv_pos, *docs = (t.expand(batch, t.shape[1]) for t in rules)
-        if docs:
-            q_doc, kv_doc = docs
-
-        def visible(b, h, q_idx, kv_idx):
-            distance = q_pos[b, q_idx] - kv_pos[b, kv_idx]
-            seen = distance >= 0 if causal else distance == distance
-            if window is not None:
-                seen = seen & (distance < window)
-            if q_document_ids is not None:
-                seen = seen & (q_doc[b, q_idx] == kv_doc[b, kv_idx])
-            return seen
-
-        block_mask = create_block_mask(visible, mask_batch, None, seq_q, seq_k, device=device)
+    if q_positions is None and kv_positions is None and q_document_ids is None:
+        if causal or window is not None:  # rules on indices only: one mask per shape
+            block_mask = _index_block_mask(
+                causal, window, seq_q, seq_k, device, torch.is_inference_mode_enabled()
+            )
+    else:
+        block_mask = _block_mask(
+            causal, window, batch, seq_q, seq_k, device,
+            q_positions, kv_positions, q_document_ids, kv_document_ids,
+        )  # fmt: skip
     run = _compiled_flex() if compiled else flex_attention
     out, aux = run(
         q_BHSD, k_BHSD, v_BHSD, block_mask=block_mask, scale=scale,

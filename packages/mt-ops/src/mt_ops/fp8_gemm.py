@@ -143,14 +143,18 @@ TMA = {"enabled": True, "persistent": True}
 def _use_tma(*tensors: Tensor) -> bool:
     """Whether TMA can read these FP8 operands: non-empty contiguous CUDA tensors with
     16-byte aligned rows and fewer than 2³¹ rows (TMA coordinates are int32)."""
-    return TMA["enabled"] and TensorDescriptor is not None and all(
-        t.is_cuda
-        and t.is_contiguous()
-        and t.numel() > 0
-        and t.shape[-1] % 16 == 0
-        and t.data_ptr() % 16 == 0
-        and t.numel() // t.shape[-1] < 2**31
-        for t in tensors
+    return (
+        TMA["enabled"]
+        and TensorDescriptor is not None
+        and all(
+            t.is_cuda
+            and t.is_contiguous()
+            and t.numel() > 0
+            and t.shape[-1] % 16 == 0
+            and t.data_ptr() % 16 == 0
+            and t.numel() // t.shape[-1] < 2**31
+            for t in tensors
+        )
     )
 
 
