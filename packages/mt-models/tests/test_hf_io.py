@@ -2,13 +2,14 @@
 
 import dataclasses
 import json
+import weakref
 
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from mt_models import MODEL_FAMILIES, load_hf, save_hf
+from mt_models import MODEL_FAMILIES, hf_io, load_hf, save_hf
 from mt_models.deepseek_v2 import deepseek_v2, deepseek_v2_lite
 from mt_models.gpt_oss import gpt_oss_20b, gpt_oss_120b
 from mt_models.hf_config import config_from_hf, config_to_hf
@@ -176,3 +177,188 @@ def test_load_hf_names_missing_weights_and_unknown_families(build_debug_model, t
     with pytest.raises(ValueError, match="not a supported family"):
         load_hf(tmp_path)
     assert set(MODEL_FAMILIES) == {"qwen3_moe", "deepseek_v2", "gpt_oss"}
+
+
+class _ReadTracker:
+    """Wraps ``safe_open`` in ``hf_io``: counts tensor reads and the most read tensors (and
+    their bytes) alive at once, each alive from its read until its tensor object is freed."""
+
+    def __init__(self):
+        self.reads, self.alive, self.alive_bytes = 0, 0, 0
+        self.max_alive, self.max_alive_bytes = 0, 0
+
+    def safe_open(self, *args, **kwargs):
+        return _TrackedFile(self, safe_open(*args, **kwargs))
+
+    def record(self, tensor):
+        size = tensor.numel() * tensor.element_size()
+        self.reads += 1
+        self.alive += 1
+        self.alive_bytes += size
+        self.max_alive = max(self.max_alive, self.alive)
+        self.max_alive_bytes = max(self.max_alive_bytes, self.alive_bytes)
+        weakref.finalize(tensor, self._freed, size)
+        return tensor
+
+    def _freed(self, size):
+        self.alive -= 1
+        self.alive_bytes -= size
+
+
+class _TrackedFile:
+    """A ``safe_open`` handle whose ``get_tensor`` reports to a ``_ReadTracker``."""
+
+    def __init__(self, tracker, handle):
+        self._tracker, self._handle = tracker, handle
+
+    def __enter__(self):
+        self._handle.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._handle.__exit__(*exc)
+
+    def get_tensor(self, key):
+        return self._tracker.record(self._handle.get_tensor(key))
+
+    def __getattr__(self, name):  # keys, get_slice, metadata: headers only
+        return getattr(self._handle, name)
+
+
+@pytest.fixture
+def read_tracker(monkeypatch):
+    """A ``_ReadTracker`` that sees every tensor ``load_hf`` reads."""
+    tracker = _ReadTracker()
+    monkeypatch.setattr(hf_io, "safe_open", tracker.safe_open)
+    return tracker
+
+
+def _stored_bytes(path):
+    """Stored key → bytes of every tensor in a checkpoint directory."""
+    return {
+        key: tensor.numel() * tensor.element_size()
+        for file in path.glob("*.safetensors")
+        for key, tensor in load_file(file).items()
+    }
+
+
+@pytest.mark.parametrize("max_shard_size", [5 * 2**30, 200_000])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2", "gpt_oss"])
+def test_load_hf_holds_one_checkpoint_tensor_at_a_time(
+    family, max_shard_size, build_debug_model, read_tracker, tmp_path
+):
+    model = build_debug_model(family=family).to(torch.bfloat16)
+    save_hf(model, tmp_path, max_shard_size=max_shard_size)
+    sizes = _stored_bytes(tmp_path)
+    assert (tmp_path / "model.safetensors.index.json").exists() == (max_shard_size < 2**30)
+    loaded = load_hf(tmp_path)
+    assert read_tracker.reads == len(sizes)  # each tensor read once
+    assert read_tracker.max_alive == 1, "the whole checkpoint was held at once"
+    assert read_tracker.max_alive_bytes == max(sizes.values())
+    assert loaded.output_weight.dtype == torch.bfloat16  # from the embedding's header
+    expected = model.canonical_parameters()
+    for key, param in loaded.canonical_parameters().items():
+        assert torch.equal(param, expected[key]), key
+
+
+def _to_mxfp4(tensors, seed=0):
+    """Replaces GPT-OSS stacked expert matrices [E, I, O] in ``tensors`` by random MXFP4
+    ``_blocks`` + ``_scales``; returns Hub key → dequantized [E, O, I] (float32)."""
+    gen = torch.Generator().manual_seed(seed)
+    expected = {}
+    for key in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        num_experts, dim_in, dim_out = tensors.pop(key).shape  # Hub layout [E, I, O]
+        blocks = torch.randint(0, 256, (num_experts, dim_out, dim_in // 32, 16), generator=gen)
+        scales = torch.randint(120, 128, (num_experts, dim_out, dim_in // 32), generator=gen)
+        tensors[key + "_blocks"], tensors[key + "_scales"] = blocks.byte(), scales.byte()
+        expected[key] = dequantize_mxfp4(blocks.byte(), scales.byte(), torch.float32)
+    return expected
+
+
+def test_mxfp4_blocks_and_scales_in_different_shards_load_one_pair_at_a_time(
+    build_debug_model, read_tracker, tmp_path
+):
+    save_hf(build_debug_model(family="gpt_oss"), tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    expected = _to_mxfp4(tensors)
+    (tmp_path / "model.safetensors").unlink()
+    # Every _blocks in the first shard, every _scales in the second, the rest split.
+    shards = ([], [])
+    for i, key in enumerate(sorted(tensors)):
+        shard = {"_blocks": 0, "_scales": 1}.get(key[-len("_blocks") :], i % 2)
+        shards[shard].append(key)
+    assert any(k.endswith("_blocks") for k in shards[0])
+    assert not any(k.endswith("_blocks") for k in shards[1])
+    weight_map = {}
+    for i, keys in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-00002.safetensors"
+        save_file({k: tensors[k] for k in keys}, tmp_path / name)
+        weight_map.update(dict.fromkeys(keys, name))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    model = load_hf(tmp_path)
+    assert read_tracker.reads == len(tensors)
+    assert read_tracker.max_alive == 2, "more than one blocks + scales pair held at once"
+    params = model.canonical_parameters()
+    for key, weight_EOI in expected.items():
+        for e in range(weight_EOI.shape[0]):
+            name = key.replace("experts.", f"experts.{e}.") + ".weight"
+            assert torch.equal(params[name], weight_EOI[e]), name
+    for key, tensor in tensors.items():
+        if key in params:
+            assert torch.equal(params[key], tensor), key
+
+
+def _edit_checkpoint(path, edit):
+    tensors = load_file(path / "model.safetensors")
+    edit(tensors)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path / "model.safetensors")
+
+
+_DOWN = "model.layers.1.mlp.experts.down_proj"  # GPT-OSS debug: [E=8, F=96, D=128]
+_MISMATCHES = {
+    "stacked_experts_one_short": (
+        lambda t: t.update({_DOWN: t[_DOWN][:-1]}),
+        r"missing \['model.layers.1.mlp.experts.7.down_proj.weight'\] \(1 in all\)",
+    ),
+    "unknown_key": (
+        lambda t: t.update({"model.extra.weight": torch.zeros(2)}),
+        r"missing \[\] \(0 in all\), unexpected \['model.extra.weight'\] \(1 in all\)",
+    ),
+    "stacked_experts_wrong_hidden": (
+        lambda t: t.update({_DOWN: t[_DOWN][:, :-1]}),
+        r"experts.0.down_proj.weight: checkpoint shape \(128, 95\) != model shape \(128, 96\)",
+    ),
+    "mxfp4_blocks_without_scales": (
+        lambda t: t.update({_DOWN + "_blocks": torch.zeros(8, 128, 3, 16, dtype=torch.uint8)}),
+        f"{_DOWN}_blocks has no matching {_DOWN}_scales",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_MISMATCHES))
+def test_load_hf_rejects_mismatched_checkpoints_from_headers_before_reading_tensors(
+    case, build_debug_model, read_tracker, tmp_path
+):
+    edit, message = _MISMATCHES[case]
+    save_hf(build_debug_model(family="gpt_oss"), tmp_path)
+    _edit_checkpoint(tmp_path, edit)
+    with pytest.raises(ValueError, match=message):
+        load_hf(tmp_path)
+    assert read_tracker.reads == 0
+
+
+def test_tied_lm_head_in_the_checkpoint_is_dropped_unread(
+    build_debug_model, read_tracker, tmp_path
+):
+    model = build_debug_model(tie_word_embeddings=True)
+    save_hf(model, tmp_path)
+    _edit_checkpoint(
+        tmp_path,
+        lambda t: t.update(
+            {"lm_head.weight": torch.full_like(t["model.embed_tokens.weight"], 7.0)}
+        ),
+    )
+    loaded = load_hf(tmp_path)
+    assert read_tracker.reads == len(model.canonical_parameters())  # all but lm_head.weight
+    assert torch.equal(loaded.output_weight, model.output_weight)

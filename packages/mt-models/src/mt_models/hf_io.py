@@ -11,8 +11,10 @@ MXFP4 ``_blocks``/``_scales`` (dequantized on import, ``mxfp4.py``).
 
 import json
 import re
-from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -32,8 +34,52 @@ _STACKED = re.compile(
 )
 
 
-def _read_safetensors(path: Path) -> Iterator[tuple[str, Tensor]]:
-    """Yields (key, tensor) of every tensor in the directory's safetensors files."""
+@dataclass(frozen=True)
+class _Stored:
+    """One tensor as a safetensors header describes it (no data read).
+
+    Attributes:
+        file: Name of the shard file in the checkpoint directory.
+        shape: Shape on disk.
+        dtype: safetensors dtype name (``"BF16"``, ``"U8"``, ...).
+    """
+
+    file: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True)
+class _HubTensor:
+    """One Hub tensor as ``load_hf`` produces it, before it is read.
+
+    Attributes:
+        key: Hub key (MXFP4: the ``X`` of ``X_blocks`` + ``X_scales``).
+        shape: Shape after MXFP4 dequantization ([E, I, O]); the stored shape otherwise.
+        stored_key: Key whose data to read (MXFP4: ``X_blocks``).
+        scales_key: ``X_scales`` for MXFP4, else None.
+    """
+
+    key: str
+    shape: tuple[int, ...]
+    stored_key: str
+    scales_key: str | None = None
+
+
+# safetensors header dtype → torch dtype, to infer load_hf's dtype from the embedding.
+_HEADER_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def _checkpoint_files(path: Path) -> list[str]:
+    """Names of the directory's safetensors files: the index's shards, else the single file,
+    else every ``*.safetensors``."""
     index = path / INDEX_NAME
     if index.exists():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -45,27 +91,92 @@ def _read_safetensors(path: Path) -> Iterator[tuple[str, Tensor]]:
         raise ValueError(
             f"no safetensors weights in {path}; expected {SINGLE_NAME} or {INDEX_NAME}"
         )
-    for name in files:
-        with safe_open(path / name, framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield key, f.get_tensor(key)
+    return files
 
 
-def _dequantize_mxfp4_pairs(tensors: dict[str, Tensor], dtype: torch.dtype) -> dict[str, Tensor]:
-    """Replaces ``X_blocks`` + ``X_scales`` [E, O, I/32, 16] by the Hub's ``X`` [E, I, O]."""
+def _read_headers(path: Path, handles: dict[str, Any]) -> dict[str, _Stored]:
+    """Stored key → file, shape and dtype of every tensor, from the headers alone.
+
+    Args:
+        path: The checkpoint directory (for error messages).
+        handles: File name → open ``safe_open`` handle.
+
+    Returns:
+        Key → ``_Stored``, files in the order given, keys in each file's order.
+    """
+    headers: dict[str, _Stored] = {}
+    for name, f in handles.items():
+        for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+            if key in headers:
+                raise ValueError(
+                    f"{key} is stored twice in {path}: in {headers[key].file} and {name}; "
+                    f"remove one copy (or fix {INDEX_NAME})"
+                )
+            tensor_slice = f.get_slice(key)
+            headers[key] = _Stored(name, tuple(tensor_slice.get_shape()), tensor_slice.get_dtype())
+    return headers
+
+
+def _hub_tensors(headers: dict[str, _Stored]) -> dict[str, _HubTensor]:
+    """Pairs MXFP4 ``X_blocks`` [E, O, I/32, 16] + ``X_scales`` [E, O, I/32] into the Hub's
+    ``X`` [E, I, O] (possibly from different shards); every other key stands alone.
+
+    Args:
+        headers: Stored key → ``_Stored``.
+
+    Returns:
+        Hub key → ``_HubTensor``, in stored order.
+    """
     out = {}
-    for key, tensor in tensors.items():
+    for key, stored in headers.items():
         if key.endswith("_scales"):
             continue
-        if key.endswith("_blocks"):
-            base = key[: -len("_blocks")]
-            scales = tensors.get(base + "_scales")
-            if scales is None:
-                raise ValueError(f"{key} has no matching {base}_scales in the checkpoint")
-            out[base] = dequantize_mxfp4(tensor, scales, dtype).transpose(-2, -1)  # [E, I, O]
-        else:
-            out[key] = tensor
+        if not key.endswith("_blocks"):
+            out[key] = _HubTensor(key, stored.shape, key)
+            continue
+        base = key[: -len("_blocks")]
+        scales = headers.get(base + "_scales")
+        if scales is None:
+            raise ValueError(f"{key} has no matching {base}_scales in the checkpoint")
+        if len(stored.shape) != 4 or stored.shape[:-1] != scales.shape:
+            raise ValueError(
+                f"{key} shape {stored.shape} must be {base}_scales shape {scales.shape} "
+                f"plus one dim of packed bytes, 4 dims in all ([E, O, I/32, 16])"
+            )
+        *lead, dim_out, num_groups, num_bytes = stored.shape
+        shape = (*lead, num_groups * 2 * num_bytes, dim_out)  # [E, I, O]
+        out[base] = _HubTensor(base, shape, key, base + "_scales")
     return out
+
+
+def _read_hub_tensor(
+    hub_tensor: _HubTensor,
+    headers: dict[str, _Stored],
+    handles: dict[str, Any],
+    dtype: torch.dtype,
+) -> Tensor:
+    """Reads one Hub tensor (MXFP4: its blocks and scales, one expert dequantized at a time).
+
+    Args:
+        hub_tensor: What to read.
+        headers: Stored key → ``_Stored`` (which file holds each key).
+        handles: File name → open ``safe_open`` handle.
+        dtype: Dtype of dequantized MXFP4 values.
+
+    Returns:
+        The tensor, shape ``hub_tensor.shape``.
+    """
+    stored = handles[headers[hub_tensor.stored_key].file].get_tensor(hub_tensor.stored_key)
+    if hub_tensor.scales_key is None:
+        return stored
+    scales = handles[headers[hub_tensor.scales_key].file].get_tensor(hub_tensor.scales_key)
+    # One leading slice (expert) at a time: dequantize_mxfp4's int64/float32 temporaries
+    # are several times the output, so the whole stack at once would dwarf the tensor.
+    *lead, dim_in, dim_out = hub_tensor.shape
+    weight_EOI = torch.empty((*lead, dim_out, dim_in), dtype=dtype)
+    for e in range(stored.shape[0]):
+        weight_EOI[e] = dequantize_mxfp4(stored[e], scales[e], dtype)
+    return weight_EOI.transpose(-2, -1)  # [E, I, O]
 
 
 def hub_to_canonical(family: str, hub: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -122,10 +233,63 @@ def canonical_to_hub(family: str, canonical: dict[str, Tensor]) -> dict[str, Ten
     return out
 
 
+def _check_against_model(
+    path: Path, family: str, hub_tensors: dict[str, _HubTensor], targets: dict[str, Tensor]
+) -> None:
+    """Raises unless the checkpoint yields exactly the model's canonical keys and shapes.
+
+    Uses shapes only: each Hub tensor goes through ``hub_to_canonical`` as a meta tensor,
+    the same mapping ``load_hf`` then applies to its data.
+
+    Args:
+        path: The checkpoint directory (for error messages).
+        family: The family name.
+        hub_tensors: Hub key → ``_HubTensor`` (a tied ``lm_head.weight`` already dropped).
+        targets: The model's canonical key → parameter (meta is fine).
+    """
+    shapes = {}
+    for hub_tensor in hub_tensors.values():
+        meta = torch.empty(hub_tensor.shape, device="meta")
+        for key, tensor in hub_to_canonical(family, {hub_tensor.key: meta}).items():
+            shapes[key] = tuple(tensor.shape)
+    missing = sorted(set(targets) - set(shapes))
+    unexpected = sorted(set(shapes) - set(targets))
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {path} does not match its config.json: missing {missing[:5]} "
+            f"({len(missing)} in all), unexpected {unexpected[:5]} ({len(unexpected)} in all)"
+        )
+    for key, target in targets.items():
+        if shapes[key] != tuple(target.shape):
+            raise ValueError(
+                f"{key}: checkpoint shape {shapes[key]} != model shape "
+                f"{tuple(target.shape)}; the weights do not fit config.json"
+            )
+
+
+@torch.no_grad()
+def _copy_hub_tensor(family: str, key: str, tensor: Tensor, targets: dict[str, Tensor]) -> None:
+    """Copies one Hub tensor into the model's canonical parameters (``hub_to_canonical``).
+
+    Args:
+        family: The family name.
+        key: Hub key of ``tensor``.
+        tensor: Its data (GPT-OSS: possibly a stack of experts).
+        targets: Canonical key → parameter, already checked to hold every canonical key.
+    """
+    for canonical_key, source in hub_to_canonical(family, {key: tensor}).items():
+        targets[canonical_key].copy_(source)
+
+
 def load_hf(
     path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
 ) -> CausalLM:
     """Builds a model from a Hub checkpoint directory.
+
+    Streams: keys and shapes are checked against the model from the safetensors headers
+    before any tensor is read, then one Hub tensor at a time (GPT-OSS: one stacked expert
+    tensor, or one MXFP4 blocks + scales pair) is read, mapped and copied into the model.
+    Peak host memory is the model plus about one checkpoint tensor.
 
     Args:
         path: Directory with ``config.json`` and safetensors weights (sharded or not).
@@ -139,34 +303,37 @@ def load_hf(
     data = json.loads((path / "config.json").read_text())
     family = family_of_hf_config(data)
     config = config_from_hf(data)
-    hub = dict(_read_safetensors(path))
-    if dtype is None:
-        embed = hub.get("model.embed_tokens.weight")
-        dtype = embed.dtype if embed is not None else torch.float32
-    canonical = hub_to_canonical(family, _dequantize_mxfp4_pairs(hub, dtype))
-    with torch.device("meta"):
-        model = MODEL_FAMILIES[family][1](config)
-    model.to_empty(device=device)
-    model.to(dtype)
-    targets = model.canonical_parameters()
-    if config.tie_word_embeddings:
-        canonical.pop("lm_head.weight", None)
-    missing = sorted(set(targets) - set(canonical))
-    unexpected = sorted(set(canonical) - set(targets))
-    if missing or unexpected:
-        raise ValueError(
-            f"checkpoint {path} does not match its config.json: missing {missing[:5]} "
-            f"({len(missing)} in all), unexpected {unexpected[:5]} ({len(unexpected)} in all)"
-        )
-    with torch.no_grad():
-        for key, target in targets.items():
-            source = canonical[key]
-            if source.shape != target.shape:
+    with ExitStack() as stack:
+        handles = {
+            name: stack.enter_context(safe_open(path / name, framework="pt"))
+            for name in _checkpoint_files(path)
+        }
+        headers = _read_headers(path, handles)
+        if dtype is None:
+            embed = headers.get("model.embed_tokens.weight")
+            dtype = torch.float32 if embed is None else _HEADER_DTYPES.get(embed.dtype)
+            if dtype is None:
                 raise ValueError(
-                    f"{key}: checkpoint shape {tuple(source.shape)} != model shape "
-                    f"{tuple(target.shape)}; the weights do not fit config.json"
+                    f"model.embed_tokens.weight in {path / embed.file} has dtype {embed.dtype}, "
+                    f"not one of {sorted(_HEADER_DTYPES)}; pass load_hf(..., dtype=...)"
                 )
-            target.copy_(source)
+        hub_tensors = _hub_tensors(headers)
+        if config.tie_word_embeddings:
+            hub_tensors.pop("lm_head.weight", None)  # tied: never read
+        with torch.device("meta"):
+            model = MODEL_FAMILIES[family][1](config)
+        model.to(dtype)  # on meta, so to_empty allocates the model once, in dtype
+        _check_against_model(path, family, hub_tensors, model.canonical_parameters())
+        model.to_empty(device=device)
+        targets = model.canonical_parameters()
+        for hub_tensor in hub_tensors.values():
+            # Read inside the call, so it is freed before the next read.
+            _copy_hub_tensor(
+                family,
+                hub_tensor.key,
+                _read_hub_tensor(hub_tensor, headers, handles, dtype),
+                targets,
+            )
     return model
 
 
