@@ -108,14 +108,7 @@ def test_gpt_oss_mxfp4_expert_weights_are_dequantized_on_import(hf, tmp_path):
     reference = hf.model("gpt_oss", seed=1, **TINY["gpt_oss"])
     reference.save_pretrained(tmp_path)
     tensors = load_file(tmp_path / "model.safetensors")
-    gen = torch.Generator().manual_seed(1)
-    expected = {}
-    for key in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-        num_experts, dim_in, dim_out = tensors.pop(key).shape  # Hub layout [E, I, O]
-        blocks = torch.randint(0, 256, (num_experts, dim_out, dim_in // 32, 16), generator=gen)
-        scales = torch.randint(120, 128, (num_experts, dim_out, dim_in // 32), generator=gen)
-        tensors[key + "_blocks"], tensors[key + "_scales"] = blocks.byte(), scales.byte()
-        expected[key] = dequantize_mxfp4(blocks.byte(), scales.byte(), torch.float32)  # [E, O, I]
+    expected = _to_mxfp4(tensors, seed=1)  # Hub key → [E, O, I]
     save_file(tensors, tmp_path / "model.safetensors")
     model = load_hf(tmp_path)
     params = model.canonical_parameters()
