@@ -1,5 +1,8 @@
 """Block-scaled FP8 GEMMs. Legend: M rows, N out features, K contraction, G groups."""
 
+import sys
+import types
+
 import pytest
 import torch
 
@@ -13,7 +16,14 @@ from mt_ops.fp8_gemm import (
     fp8_grouped_wgrad,
     fp8_grouped_wgrad_reference,
 )
-from mt_ops.fp8_quant import quantize_1x128_dual, quantize_128x128, row_tiles
+from mt_ops.fp8_quant import (
+    Fp8Quantized,
+    dequantize_1x128,
+    dequantize_128x128,
+    quantize_1x128_dual,
+    quantize_128x128,
+    row_tiles,
+)
 
 
 def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -136,6 +146,36 @@ def test_backend_is_emulation_on_cpu_and_overrides_are_checked(monkeypatch):
         fp8_backend(torch.device("cpu"), "cutlass")
     monkeypatch.setenv("MT_OPS_FP8_BACKEND", "emulation")
     assert fp8_backend(torch.device("cpu")) == "emulation"
+
+
+def test_deepgemm_is_chosen_when_it_imports_and_called_with_its_dense_convention(monkeypatch):
+    # DeepGEMM cannot be built here; a stand-in module with its fp8_gemm_nt signature
+    # ((A, scales [M, K/128]), (B [N, K], scales [N/128, K/128]), out [M, N]) checks the
+    # selection and that the hook passes the operands it documents, computing like it.
+    calls = []
+
+    def fp8_gemm_nt(a, b, out):
+        (a_data, a_scale), (b_data, b_scale) = a, b
+        calls.append((a_data.shape, a_scale.shape, a_scale.dtype, b_data.shape, b_scale.shape))
+        a_MK = dequantize_1x128(Fp8Quantized(a_data, a_scale))
+        b_NK = dequantize_128x128(Fp8Quantized(b_data[None], b_scale[None]))[0]
+        out.copy_(a_MK @ b_NK.T)
+
+    monkeypatch.setitem(sys.modules, "deep_gemm", types.SimpleNamespace(fp8_gemm_nt=fp8_gemm_nt))
+    monkeypatch.delenv("MT_OPS_FP8_BACKEND", raising=False)
+    gemm_module._deep_gemm.cache_clear()
+    try:
+        assert fp8_backend(torch.device("cuda")) == "deepgemm"
+        assert fp8_backend(torch.device("cpu")) == "emulation"
+        p = _problem([300], 256, 384, scale_format="e8m0")
+        got = gemm_module._dense_deepgemm(p["xq"], p["wq"], torch.float32)
+        expected = fp8_grouped_gemm_reference(p["xq"], p["wq"], p["tiles"], out_dtype=torch.float32)
+        assert torch.equal(got, expected)
+        assert calls == [((300, 256), (300, 2), torch.float32, (384, 256), (3, 2))]
+    finally:
+        monkeypatch.undo()  # the stand-in leaves sys.modules before the cache is cleared
+        gemm_module._deep_gemm.cache_clear()
+    assert gemm_module._deep_gemm() is None
 
 
 # Hopper's FP8 tensor cores add products inside each 128-wide K block with fewer than fp32's
