@@ -7,9 +7,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from mt_models import build_model, deepseek_v2, gpt_oss, qwen3_moe, save_hf
+from mt_models import build_model, deepseek_v2, gpt_oss, hf_io, qwen3_moe, save_hf
+from mt_train import convert
 from mt_train.cli import main
-from mt_train.convert import parse_size
+from mt_train.convert import mt_to_hf, parse_size
 from mt_train.overrides import resolve_config
 from mt_train.recipes import get_recipe
 from mt_train.train import pretrain, setup
@@ -71,6 +72,99 @@ def test_hf_to_mt_to_hf_reproduces_every_tensor_key_dtype_and_value(tmp_path, fa
     assert (tmp_path / "back" / "tokenizer.json").read_text() == '{"version": "1.0"}'
     config = json.loads((tmp_path / "back" / "config.json").read_text())
     assert config == json.loads((original / "config.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def mt_checkpoint(tmp_path_factory):
+    """A model-only mt checkpoint of the tiny GPT-OSS config (stacked experts on export);
+    tests only read it."""
+    root = tmp_path_factory.mktemp("mt_checkpoint")
+    _write_hf(FAMILIES["gpt_oss"], root / "hf", torch.bfloat16)
+    assert main(["convert", "hf-to-mt", "--hf", str(root / "hf"), "--out", str(root / "mt")]) == 0
+    return root / "mt"
+
+
+def _siblings(path):
+    return sorted(p.name for p in path.parent.iterdir())
+
+
+def test_mt_to_hf_refuses_a_non_empty_out_and_leaves_it_untouched(tmp_path, mt_checkpoint):
+    out = tmp_path / "back"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    with pytest.raises(ValueError, match=r"--out .*back exists and is not empty"):
+        mt_to_hf(mt_checkpoint, out)
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    assert (out / "notes.txt").read_text() == "keep me"
+    assert _siblings(out) == ["back"], "no .tmp-back left behind"
+
+
+def test_mt_to_hf_fills_an_empty_out_and_leaves_no_temporary_directory(tmp_path, mt_checkpoint):
+    out = tmp_path / "back"
+    out.mkdir()
+    assert mt_to_hf(mt_checkpoint, out) == out
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json", "model.safetensors", "tokenizer.json"
+    ]
+    assert _siblings(out) == ["back"]
+
+
+def test_mt_to_hf_failing_on_the_second_shard_leaves_no_out_and_no_temporary(
+    tmp_path, mt_checkpoint, monkeypatch
+):
+    written = []
+
+    def save_file_failing_second(tensors, filename, metadata=None):
+        if written:
+            raise OSError("disk full (simulated)")
+        real_save_file(tensors, filename, metadata=metadata)
+        written.append(filename)
+
+    real_save_file = hf_io.save_file
+    monkeypatch.setattr(hf_io, "save_file", save_file_failing_second)
+    out = tmp_path / "back"
+    with pytest.raises(OSError, match="disk full"):
+        mt_to_hf(mt_checkpoint, out, max_shard_size=40_000)
+    assert len(written) == 1, "the first shard was written, then the failure"
+    assert not out.exists()
+    assert list(tmp_path.iterdir()) == [], "the temporary directory is removed"
+
+
+def test_mt_to_hf_never_allocates_a_model(tmp_path, mt_checkpoint, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("mt_to_hf materialized a model (to_empty)")
+
+    monkeypatch.setattr(torch.nn.Module, "to_empty", refuse)
+    out = mt_to_hf(mt_checkpoint, tmp_path / "back", max_shard_size=40_000)
+    original = _hf_tensors(mt_checkpoint.parent / "hf")
+    exported = _hf_tensors(out)
+    assert sorted(exported) == sorted(original)
+    assert all(torch.equal(exported[k], v) for k, v in original.items())
+
+
+@pytest.mark.parametrize("damage", ["extra_key", "wrong_shape"])
+def test_mt_to_hf_refuses_a_checkpoint_that_does_not_fit_its_config(
+    tmp_path, mt_checkpoint, monkeypatch, damage
+):
+    real_read = convert.read_mt_checkpoint
+
+    def read_damaged(path):
+        config, tensors = real_read(path)
+        if damage == "extra_key":
+            tensors["model.layers.9.mlp.gate.weight"] = torch.zeros(4, 32)
+        else:
+            tensors["model.norm.weight"] = torch.ones(7)
+        return config, tensors
+
+    monkeypatch.setattr(convert, "read_mt_checkpoint", read_damaged)
+    expected = {
+        "extra_key": r"holds 1 parameter\(s\) its own model config does not have, e\.g\. "
+        r"\['model\.layers\.9\.mlp\.gate\.weight'\]",
+        "wrong_shape": r"model\.norm\.weight has shape \(7,\) but its own model config gives",
+    }[damage]
+    with pytest.raises(ValueError, match=expected):
+        mt_to_hf(mt_checkpoint, tmp_path / "back")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_parse_size_reads_decimal_and_binary_units():

@@ -355,3 +355,24 @@ def test_tied_lm_head_in_the_checkpoint_is_dropped_unread(
     loaded = load_hf(tmp_path)
     assert read_tracker.reads == len(model.canonical_parameters())  # all but lm_head.weight
     assert torch.equal(loaded.output_weight, model.output_weight)
+
+
+def test_save_hf_copies_only_expert_views_and_matches_their_values(
+    build_debug_model, monkeypatch, tmp_path
+):
+    model = build_debug_model(family="qwen3_moe")
+    params = model.canonical_parameters()
+    written = {}
+
+    def capture(tensors, filename, metadata=None):
+        written.update(tensors)
+        save_file(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(hf_io, "save_file", capture)
+    save_hf(model, tmp_path, max_shard_size=100_000)
+    assert sorted(written) == sorted(params)
+    for key, tensor in written.items():
+        is_expert = ".mlp.experts." in key
+        shares = tensor.data_ptr() == params[key].data_ptr()
+        assert shares != is_expert, f"{key}: copied={not shares}, expert view={is_expert}"
+        assert torch.equal(tensor, params[key].detach()), key

@@ -5,7 +5,7 @@ from mt_models.base import CausalLM, LossOutput
 from mt_models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
 from mt_models.dispatch import LocalDispatcher
 from mt_models.gpt_oss import GptOssConfig, GptOssForCausalLM
-from mt_models.hf_io import load_hf, save_hf
+from mt_models.hf_io import load_hf, save_hf, save_hf_tensors
 from mt_models.layers.attention import AttentionCore, LocalAttention
 from mt_models.protocol import Dispatcher, LayerOutput, MoEDecoderLayer, Routed, RouterStats
 from mt_models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -32,4 +32,5 @@ __all__ = [
     "build_model",
     "load_hf",
     "save_hf",
+    "save_hf_tensors",
 ]

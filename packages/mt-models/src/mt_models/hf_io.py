@@ -343,30 +343,67 @@ def save_hf(model: CausalLM, path: str | Path, max_shard_size: int = 5 * 2**30) 
     ``config.json`` (``rope_parameters`` and the older ``rope_theta`` + ``rope_scaling``) and
     safetensors in the model's dtypes: ``model.safetensors`` when everything fits one shard,
     else ``model-0000k-of-0000n.safetensors`` plus ``model.safetensors.index.json``. A tied
-    output head is not written (as transformers does).
+    output head is not written (as transformers does). Files are written into ``path`` as
+    they are made; a caller that needs all-or-nothing writes to a new directory and renames
+    it (as ``mt-train convert mt-to-hf`` does).
 
     Args:
         model: A model of a family in ``MODEL_FAMILIES`` holding all experts.
+        path: Output directory (created; existing files of the same names are replaced).
+        max_shard_size: Largest shard in bytes (a tensor larger than it gets its own).
+    """
+    family = next(n for n, (_, cls) in MODEL_FAMILIES.items() if type(model) is cls)
+    canonical = {k: v.detach() for k, v in model.canonical_parameters().items()}
+    save_hf_tensors(
+        family, model.config, canonical, Path(path), max_shard_size, model.output_weight.dtype
+    )
+
+
+def save_hf_tensors(
+    family: str,
+    config: Any,
+    canonical: dict[str, Tensor],
+    path: str | Path,
+    max_shard_size: int,
+    dtype: torch.dtype,
+) -> None:
+    """Writes ``save_hf``'s files from canonical tensors, without needing a model.
+
+    Shards are planned from shapes alone (``canonical_to_hub`` on meta tensors); each
+    shard's Hub tensors are then made when it is written (GPT-OSS: only its own expert
+    stacks) and freed before the next, so beyond ``canonical`` peak memory is about one
+    shard. A tensor is copied only when safetensors needs it: off the CPU, not contiguous,
+    or a view of a larger storage (canonical experts of a model share its stack).
+
+    Args:
+        family: The family name.
+        config: The family's model config (written as ``config.json``).
+        canonical: Canonical key → tensor, exactly the model's ``canonical_parameters``
+            keys (a tied output head left out); written in their own dtypes.
         path: Output directory (created).
         max_shard_size: Largest shard in bytes (a tensor larger than it gets its own).
+        dtype: The model's dtype for ``config.json`` (its output weight's).
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    family = next(n for n, (_, cls) in MODEL_FAMILIES.items() if type(model) is cls)
-    canonical = {k: v.detach() for k, v in model.canonical_parameters().items()}
-    hub = canonical_to_hub(family, canonical)
-    dtype = str(model.output_weight.dtype).removeprefix("torch.")
-    config = config_to_hf(model.config, dtype)
-    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    hub_meta = canonical_to_hub(
+        family,
+        {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in canonical.items()},
+    )
+    sources = {  # Hub key → the canonical keys it is made of
+        key: list(hub_to_canonical(family, {key: tensor})) for key, tensor in hub_meta.items()
+    }
+    hf_config = config_to_hf(config, str(dtype).removeprefix("torch."))
+    (path / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+    sizes = {key: t.numel() * t.element_size() for key, t in hub_meta.items()}
     shards: list[list[str]] = [[]]
     shard_bytes = 0
-    for key in sorted(hub):
-        size = hub[key].numel() * hub[key].element_size()
-        if shards[-1] and shard_bytes + size > max_shard_size:
+    for key in sorted(hub_meta):
+        if shards[-1] and shard_bytes + sizes[key] > max_shard_size:
             shards.append([])
             shard_bytes = 0
         shards[-1].append(key)
-        shard_bytes += size
+        shard_bytes += sizes[key]
     names = (
         [SINGLE_NAME]
         if len(shards) == 1
@@ -374,11 +411,30 @@ def save_hf(model: CausalLM, path: str | Path, max_shard_size: int = 5 * 2**30) 
     )
     weight_map = {}
     for name, keys in zip(names, shards, strict=True):
-        # Clones: canonical expert views share storage, which safetensors refuses.
-        tensors = {k: hub[k].to("cpu").contiguous().clone() for k in keys}
+        hub = canonical_to_hub(family, {c: canonical[c] for k in keys for c in sources[k]})
+        tensors = {k: _standalone(hub[k]) for k in keys}
         save_file(tensors, str(path / name), metadata={"format": "pt"})
+        del hub, tensors  # this shard's stacks and copies, before the next shard's
         weight_map.update(dict.fromkeys(keys, name))
     if len(shards) > 1:
-        total = sum(t.numel() * t.element_size() for t in hub.values())
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
         (path / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _standalone(tensor: Tensor) -> Tensor:
+    """``tensor`` as safetensors writes it: on the CPU, contiguous, owning all its storage.
+
+    Returned as is when it already is (no copy); copied otherwise, since ``save_file``
+    refuses tensors of one file that share storage (a model's canonical expert views).
+
+    Args:
+        tensor: Any dense tensor.
+
+    Returns:
+        The tensor or a CPU copy of it.
+    """
+    tensor = tensor.detach().to("cpu")
+    whole = tensor.numel() * tensor.element_size() == tensor.untyped_storage().nbytes()
+    if tensor.is_contiguous() and tensor.storage_offset() == 0 and whole:
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)

@@ -9,8 +9,9 @@ but model-only: ``model/<hub key>`` tensors in the source's dtype and a
 starts from it (or from the Hugging Face directory itself) with ``init_from=DIR``; it is
 not a checkpoint to resume (no optimizer or data state). ``mt-to-hf`` accepts either kind
 and writes the tensors in their stored dtype (FP32 for a training checkpoint).
-Conversion goes through `mt_models.load_hf` / `save_hf`, so keys and GPT-OSS's stacked
-expert layout are theirs; MXFP4 originals come back dequantized.
+Conversion goes through `mt_models.load_hf` / `save_hf`'s writer, so keys and GPT-OSS's
+stacked expert layout are theirs; MXFP4 originals come back dequantized. Both directions
+write beside ``--out`` and rename when complete, so a failure leaves no partial ``--out``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from mt_data import default_tokenizer_path
-from mt_models import MODEL_FAMILIES, load_hf, save_hf
+from mt_models import MODEL_FAMILIES, load_hf, save_hf_tensors
 from mt_train.checkpoint import FORMAT_VERSION
 
 # Files next to the weights that travel with a conversion when present.
@@ -184,43 +185,84 @@ def read_mt_checkpoint(path: str | Path) -> tuple[Any, dict[str, torch.Tensor]]:
 def mt_to_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: int = 5 * 10**9) -> Path:
     """Writes a Hugging Face directory from an mt checkpoint.
 
+    All or nothing: every file is written into ``.tmp-<name>`` beside ``out_dir``, which
+    is renamed to ``out_dir`` when complete and removed if anything fails. Host memory is
+    the checkpoint's tensors plus about one shard: they are checked against the model
+    config's keys and shapes on the meta device (no model is allocated) and written
+    directly, in the embedding's dtype (a tensor stored in another dtype is cast).
+
     Args:
         checkpoint: a training checkpoint (``step_N``) or a model-only one.
-        out_dir: the directory to write (config.json, safetensors, index when sharded,
-            tokenizer files found in the checkpoint directory or the training tokenizer,
-            see `training_tokenizer`).
+        out_dir: the directory to create, or an empty one to fill (config.json,
+            safetensors, index when sharded, tokenizer files found in the checkpoint
+            directory or the training tokenizer, see `training_tokenizer`).
         max_shard_size: largest safetensors shard in bytes.
 
     Returns:
         The output directory.
     """
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise ValueError(f"--out {out_dir} exists and is not empty; choose a new directory")
     model_config, canonical = read_mt_checkpoint(checkpoint)
     family = next(n for n, (cls, _) in MODEL_FAMILIES.items() if isinstance(model_config, cls))
-    dtype = canonical["model.embed_tokens.weight"].dtype
     with torch.device("meta"):
-        model = MODEL_FAMILIES[family][1](model_config)
-    model.to_empty(device="cpu")
-    model.to(dtype)
-    targets = model.canonical_parameters()
+        targets = MODEL_FAMILIES[family][1](model_config).canonical_parameters()
+    _check_checkpoint_keys(checkpoint, canonical, targets)
+    dtype = canonical["model.embed_tokens.weight"].dtype
+    for key, tensor in canonical.items():
+        canonical[key] = tensor.to(dtype)  # no-op (no copy) in the usual one-dtype checkpoint
+    tmp = out_dir.with_name(f".tmp-{out_dir.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        save_hf_tensors(family, model_config, canonical, tmp, max_shard_size, dtype)
+        _copy_tokenizer_files(checkpoint, tmp)
+        tokenizer = training_tokenizer(checkpoint)
+        if tokenizer is not None and not (tmp / "tokenizer.json").exists():
+            shutil.copy2(tokenizer, tmp / "tokenizer.json")
+            beside = tokenizer.parent / "tokenizer_config.json"
+            if beside.is_file() and not (tmp / "tokenizer_config.json").exists():
+                shutil.copy2(beside, tmp / "tokenizer_config.json")
+        if out_dir.exists():
+            out_dir.rmdir()  # empty, checked above
+        os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _check_checkpoint_keys(
+    checkpoint: Path, canonical: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]
+) -> None:
+    """Raises unless the checkpoint holds exactly its model config's parameters and shapes.
+
+    Args:
+        checkpoint: the checkpoint directory (for error messages).
+        canonical: Hub key → tensor read from it.
+        targets: the model's ``canonical_parameters()`` (meta tensors: shapes only).
+    """
     missing = sorted(set(targets) - set(canonical))
     if missing:
         raise ValueError(
             f"checkpoint {checkpoint} lacks {len(missing)} parameter(s) of its own model "
             f"config, e.g. {missing[:3]}; the checkpoint is damaged or from another version"
         )
-    with torch.no_grad():
-        for key, target in targets.items():
-            target.copy_(canonical[key])
-    save_hf(model, out_dir, max_shard_size=max_shard_size)
-    _copy_tokenizer_files(checkpoint, out_dir)
-    tokenizer = training_tokenizer(checkpoint)
-    if tokenizer is not None and not (out_dir / "tokenizer.json").exists():
-        shutil.copy2(tokenizer, out_dir / "tokenizer.json")
-        beside = tokenizer.parent / "tokenizer_config.json"
-        if beside.is_file() and not (out_dir / "tokenizer_config.json").exists():
-            shutil.copy2(beside, out_dir / "tokenizer_config.json")
-    return out_dir
+    unexpected = sorted(set(canonical) - set(targets))
+    if unexpected:
+        raise ValueError(
+            f"checkpoint {checkpoint} holds {len(unexpected)} parameter(s) its own model "
+            f"config does not have, e.g. {unexpected[:3]}; the checkpoint is damaged or "
+            "from another version"
+        )
+    for key, target in targets.items():
+        if canonical[key].shape != target.shape:
+            raise ValueError(
+                f"checkpoint {checkpoint}: {key} has shape {tuple(canonical[key].shape)} but "
+                f"its own model config gives {tuple(target.shape)}; the checkpoint is damaged "
+                "or from another version"
+            )
 
 
 def read_init_weights(path: str | Path) -> dict[str, torch.Tensor]:
