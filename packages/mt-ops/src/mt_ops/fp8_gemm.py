@@ -259,7 +259,7 @@ def _check_grouped(a: Fp8Quantized, b: Fp8Quantized, tiles: RowTiles) -> None:
         )
 
 
-def _grouped_gemm_triton(a, b, tiles, out_dtype, upcast=False, second=None):
+def _grouped_gemm_triton(a, b, tiles, out_dtype, second=None):
     num_rows, k_dim = a.data.shape
     num_groups, n_dim, _ = b.data.shape
     out = torch.empty(num_rows, n_dim, dtype=out_dtype, device=a.data.device)
@@ -275,7 +275,7 @@ def _grouped_gemm_triton(a, b, tiles, out_dtype, upcast=False, second=None):
     num_n_blocks = cdiv(n_dim, BLOCK)
     num_outputs = tiles.num_tiles * num_n_blocks
     cfg = GEMM_CONFIG
-    use_tma = not upcast and _use_tma(a.data, b.data, a2.data, b2.data)
+    use_tma = _use_tma(a.data, b.data, a2.data, b2.data)
     descs = [None] * 4
     if use_tma:  # B viewed as [G·N, K]
         operands = (a.data, b.data.view(-1, k_dim), a2.data, b2.data.view(-1, k2_dim))
@@ -291,7 +291,7 @@ def _grouped_gemm_triton(a, b, tiles, out_dtype, upcast=False, second=None):
         n_dim, k_dim, k2_dim, cdiv(k_dim, BLOCK), cdiv(k2_dim, BLOCK), cdiv(n_dim, BLOCK),
         num_n_blocks, tiles.num_tiles, num_groups, max(num_programs, 1),
         HAS_SECOND=second is not None, N_FASTEST=cfg["N_FASTEST"], USE_TMA=use_tma,
-        SCALE_E8M0=e8m0, UPCAST=upcast or not a.data.is_cuda,
+        SCALE_E8M0=e8m0, UPCAST=not a.data.is_cuda,
         MAX_IMPRECISE=cfg["MAX_IMPRECISE"], BLOCK_M=BLOCK, BLOCK_N=BLOCK, BLOCK_K=BLOCK,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
