@@ -232,9 +232,10 @@ TRITON = "triton"
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_tma_loads_equal_pointer_loads_bit_for_bit(monkeypatch):
-    # The TMA path (persistent grouped GEMM, 128×64 wgrad tiles) and the pointer path add the
-    # same per-block products in the same order, so their results agree in every bit: with
-    # whole tiles, with partial N, K and row tiles, and with no rows at all.
+    # The TMA path (persistent grouped GEMM whose whole row tiles are written by TMA stores,
+    # 128×64 wgrad tiles) and the pointer path add the same per-block products in the same
+    # order, so their results agree in every bit: with whole tiles, with partial N, K and row
+    # tiles (masked stores that must not touch the next group's rows), and with no rows.
     for counts, k_dim, n_dim in (
         ([0, 300, 17, 0, 700, 1], 768, 2048),
         ([0, 300, 17, 5], 272, 200),
@@ -255,6 +256,9 @@ def test_gpu_tma_loads_equal_pointer_loads_bit_for_bit(monkeypatch):
         assert gemm_module._use_tma(p["dyqt"].data) and gemm_module._use_tma(p["wq"].data)
         with monkeypatch.context() as patch:
             with_tma = run()  # persistent
+            patch.setitem(gemm_module.TMA, "store", False)
+            for got, expected in zip(run(), with_tma, strict=True):
+                assert torch.equal(got, expected), counts
             patch.setitem(gemm_module.TMA, "persistent", False)
             for got, expected in zip(run(), with_tma, strict=True):
                 assert torch.equal(got, expected), counts
