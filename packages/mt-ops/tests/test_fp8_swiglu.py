@@ -1,11 +1,14 @@
 """SwiGLU fused with FP8 quantization. Legend: R rows, F hidden, T row tiles."""
 
+import itertools
+
 import pytest
 import torch
 
 from mt_ops import swiglu
 from mt_ops.fp8_quant import quantize_1x128_dual, row_tiles, scale_to_float
 from mt_ops.fp8_swiglu import (
+    SWIGLU_QUANT_CONFIG,
     _kernels_for_test,
     swiglu_backward_quantize_1x128,
     swiglu_backward_quantize_1x128_reference,
@@ -32,7 +35,12 @@ def _assert_same_quantization(got, ref, exact):
 
 @pytest.mark.parametrize("scale_format", ["fp32", "e8m0"])
 @pytest.mark.parametrize("segmented", [False, True])
-def test_fused_kernels_match_references_in_interpreter(segmented, scale_format):
+@pytest.mark.parametrize("bwd_fused", [True, False])
+def test_fused_kernels_match_references_in_interpreter(
+    segmented, scale_format, bwd_fused, monkeypatch
+):
+    # Both backward choices: the one-pass kernel, and SwiGLU backward + two quantizations.
+    monkeypatch.setitem(SWIGLU_QUANT_CONFIG, "bwd_fused", bwd_fused)
     gate, up, grad = _inputs(300, 200, dtype=torch.float32)  # ragged in rows and columns
     tiles = row_tiles(torch.tensor([0, 130, 3, 167]), 300) if segmented else None
     fwd, bwd = _kernels_for_test()
@@ -75,11 +83,12 @@ def test_public_ops_fall_back_to_references_on_cpu_and_check_shapes():
 @pytest.mark.parametrize("scale_format", ["fp32", "e8m0"])
 @pytest.mark.parametrize("shape", [(4099, 768), (1023, 777), (0, 256)])
 def test_fused_kernels_equal_unfused_swiglu_then_quantization_bit_for_bit_on_gpu(
-    shape, scale_format
+    shape, scale_format, monkeypatch
 ):
     gate, up, grad = _inputs(*shape, device="cuda")
     counts = torch.tensor([shape[0] // 3, 0, shape[0] - shape[0] // 3], device="cuda")
-    for tiles in (None, row_tiles(counts, shape[0])):
+    for tiles, bwd_fused in itertools.product((None, row_tiles(counts, shape[0])), (True, False)):
+        monkeypatch.setitem(SWIGLU_QUANT_CONFIG, "bwd_fused", bwd_fused)
         got = swiglu_quantize_1x128(gate, up, tiles=tiles, scale_format=scale_format)
         unfused = quantize_1x128_dual(swiglu(gate, up), tiles=tiles, scale_format=scale_format)
         _assert_same_quantization(got, unfused, exact=True)
