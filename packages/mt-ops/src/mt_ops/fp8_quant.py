@@ -235,9 +235,10 @@ def _quantize_store_dual(
 # copy), 401 at 8; with an explicit register transpose (dual_trans_store) 493 and 430; the
 # earlier kernel (row tiles fastest) 417 at 4 warps. All four variants were bit-exact; the
 # explicit fp8 transpose is the pattern that once gave wrong bytes in the 128×128 kernel
-# below, so it stays off. A TMA store of each transposed [128, 128] block (tl.trans of the
-# fp32 tile, then cast) was bit-exact but slower everywhere: dual [131072, 2048] 511 us
-# against 362, the fused SwiGLU forward 317 against 251 and backward 887 against 707.
+# below, so it stays off. Also bit-exact and slower on the H200 ([131072, 2048], 4 warps):
+# transposing the fp32 tile before the column quantization, 523 us (461 at 8 warps)
+# against 359; a TMA store of each transposed [128, 128] block, 511 us (the fused SwiGLU
+# forward 317 against 251 us, its backward 887 against 707).
 QUANT_CONFIG = {
     "rows_block_m": 8, "rows_col_tiles": 8, "rows_warps": 4, "dual_warps": 4,
     "dual_trans_store": False,
