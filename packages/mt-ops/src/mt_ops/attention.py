@@ -76,6 +76,14 @@ def _check(q: Tensor, k: Tensor, v: Tensor, window: int | None, sinks: Tensor | 
         )
 
 
+def _check_documents(q_document_ids: Tensor | None, kv_document_ids: Tensor | None) -> None:
+    if (q_document_ids is None) != (kv_document_ids is None):
+        raise ValueError(
+            "q_document_ids and kv_document_ids must be given together; pass the same "
+            "ids twice for self-attention"
+        )
+
+
 def _positions(positions: Tensor | None, length: int, device: torch.device) -> Tensor:
     """Positions as int64 [B or 1, S]."""
     if positions is None:
@@ -118,13 +126,9 @@ def visible_mask(
     Returns:
         The mask, True where the key is visible.
     """
+    _check_documents(q_document_ids, kv_document_ids)
     documents = None
-    if q_document_ids is not None or kv_document_ids is not None:
-        if q_document_ids is None or kv_document_ids is None:
-            raise ValueError(
-                "q_document_ids and kv_document_ids must be given together; pass the same "
-                "ids twice for self-attention"
-            )
+    if q_document_ids is not None:
         q_doc = _positions(q_document_ids, seq_q, device)[:, :, None]  # [B|1, Sq, 1]
         kv_doc = _positions(kv_document_ids, seq_k, device)[:, None, :]  # [B|1, 1, Sk]
         documents = (q_doc == kv_doc)[:, None]  # [B|1, 1, Sq, Sk]
@@ -251,11 +255,7 @@ def _flex_attention_lse(
     """
     batch, seq_q, seq_k = q_BHSD.shape[0], q_BHSD.shape[2], k_BHSD.shape[2]
     device = q_BHSD.device
-    if (q_document_ids is None) != (kv_document_ids is None):
-        raise ValueError(
-            "q_document_ids and kv_document_ids must be given together; pass the same "
-            "ids twice for self-attention"
-        )
+    _check_documents(q_document_ids, kv_document_ids)
     block_mask = None
     if q_positions is None and kv_positions is None and q_document_ids is None:
         if causal or window is not None:  # rules on indices only: one mask per shape
