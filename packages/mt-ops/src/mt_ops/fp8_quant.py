@@ -238,7 +238,13 @@ def _quantize_store_dual(
 # below, so it stays off. Also bit-exact and slower on the H200 ([131072, 2048], 4 warps):
 # transposing the fp32 tile before the column quantization, 523 us (461 at 8 warps)
 # against 359; a TMA store of each transposed [128, 128] block, 511 us (the fused SwiGLU
-# forward 317 against 251 us, its backward 887 against 707).
+# forward 317 against 251 us, its backward 887 against 707). At 4 warps ptxas gives this
+# kernel 255 registers and spills 1.6 KB (the whole fp32 tile is 128 values per thread),
+# so 2 programs share an SM. Measured and not kept, all bit-exact ([131072, 2048], 359-362
+# us here): walking the tile in 16-64-row pieces twice (rows and the column amax, then the
+# columns from L2; 64-213 registers, no spills) ran 527-1632 us, the pieces' transposed
+# stores and serial loads costing more than the spills; int32 offsets from per-tile base
+# pointers (616 B of spills) ran 487 us, having lost the stores' alignment facts.
 QUANT_CONFIG = {
     "rows_block_m": 8, "rows_col_tiles": 8, "rows_warps": 4, "dual_warps": 4,
     "dual_trans_store": False,
