@@ -7,6 +7,9 @@ GPT-OSS attention (64 query heads, 8 key/value heads, head dim 64, learned sinks
 - sinks with and without the window, through compiled ``flex_attention`` (the default on
   CUDA) against the O(S²) fp32 reference it replaced (``FLEX["enabled"] = False``);
 - the log-sum-exp request of context parallelism (no sinks), flex against the reference;
+- the window without sinks, flex (the default on CUDA) against SDPA with a boolean mask
+  (``FLEX["masks"] = "none"``), and packed documents (four per row) without sinks, SDPA
+  with a boolean mask (the default) against flex (``FLEX["masks"] = "all"``);
 - plain causal SDPA (Flash) with no sinks as the speed of light.
 
 Run: ``PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python3 tools/bench/bench_ops_attention.py``
@@ -49,12 +52,20 @@ def _step(q, k, v, kwargs):
     loss.backward()
 
 
-def _measure(seq: int, kwargs: dict, flex: bool) -> tuple[float, float]:
+def _documents(seq: int) -> torch.Tensor:
+    """Document ids of one packed row: four documents of 1/2, 1/4, 1/8 and 1/8 of it."""
+    lengths = torch.tensor([seq // 2, seq // 4, seq // 8, seq - seq // 2 - seq // 4 - seq // 8])
+    return torch.repeat_interleave(torch.arange(4), lengths).cuda()
+
+
+def _measure(seq: int, kwargs: dict, flex: bool, masks: str = "windows") -> tuple[float, float]:
     """(ms, peak GiB) of one forward + backward, or (nan, nan) when it runs out of memory."""
     q, k, v, sinks = _inputs(seq)
     if "sinks" in kwargs:
         kwargs = {**kwargs, "sinks": sinks}
-    attention_module.FLEX["enabled"] = flex
+    if kwargs.get("q_document_ids") == "packed":
+        kwargs = {**kwargs, "q_document_ids": _documents(seq), "kv_document_ids": _documents(seq)}
+    attention_module.FLEX.update(enabled=flex, masks=masks)
     try:
         _step(q, k, v, kwargs)  # compile / warm up
         torch.cuda.synchronize()
@@ -68,7 +79,7 @@ def _measure(seq: int, kwargs: dict, flex: bool) -> tuple[float, float]:
     except torch.OutOfMemoryError:
         return float("nan"), float("nan")
     finally:
-        attention_module.FLEX["enabled"] = True
+        attention_module.FLEX.update(enabled=True, masks="windows")
         torch.cuda.empty_cache()
 
 
@@ -82,6 +93,10 @@ def main() -> None:
         (f"sinks, window {WINDOW}", {"causal": True, "sinks": None, "window": WINDOW}),
         ("LSE request (CP)", {"causal": True, "return_lse": True}),
     )
+    masked = (
+        (f"window {WINDOW}, no sinks", {"causal": True, "window": WINDOW}),
+        ("4 documents, no sinks", {"causal": True, "q_document_ids": "packed"}),
+    )
     for seq in (int(s) for s in args.seqs.split(",")):
         light, light_gib = _measure(seq, {"causal": True}, flex=True)
         print(f"S={seq}: plain causal SDPA (no sinks) {light:7.2f} ms, {light_gib:5.2f} GiB")
@@ -92,6 +107,14 @@ def main() -> None:
                 f"S={seq}: {label:20s} flex {ms_flex:7.2f} ms {gib_flex:5.2f} GiB | reference "
                 f"{ms_ref:7.2f} ms {gib_ref:6.2f} GiB | flex {ms_ref / ms_flex:5.1f}x faster, "
                 f"{gib_ref / gib_flex:5.1f}x less memory | {ms_flex / light:4.2f}x SDPA time"
+            )
+        for label, kwargs in masked:
+            ms_flex, gib_flex = _measure(seq, kwargs, flex=True, masks="all")
+            ms_sdpa, gib_sdpa = _measure(seq, kwargs, flex=True, masks="none")
+            print(
+                f"S={seq}: {label:20s} flex {ms_flex:7.2f} ms {gib_flex:5.2f} GiB | SDPA bool mask "
+                f"{ms_sdpa:7.2f} ms {gib_sdpa:6.2f} GiB | flex {ms_sdpa / ms_flex:5.2f}x faster, "
+                f"{gib_sdpa / gib_flex:5.2f}x less memory | {ms_flex / light:4.2f}x SDPA time"
             )
 
 

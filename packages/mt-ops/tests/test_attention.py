@@ -299,3 +299,36 @@ def test_gpu_sinks_and_lse_take_compiled_flex_and_match_reference_with_gradients
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     check("documents", seed=13)  # new data, same rules: no recompilation
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_masks_without_sinks_match_reference_through_flex_and_sdpa(monkeypatch):
+    from mt_ops.attention import FLEX
+
+    # The default (windows to flex), everything to flex, SDPA with a boolean mask.
+    for masks in ("windows", "all", "none"):
+        monkeypatch.setitem(FLEX, "masks", masks)
+        for name in ("window", "chunk positions, queries with no key", "documents"):
+            options = {key: t.cuda() if isinstance(t, torch.Tensor) else t
+                       for key, t in flex_options(FLEX_CASES[name]).items()}  # fmt: skip
+            q, k, v = (t.cuda() for t in _qkv((2, 8, 2, 20, 64), torch.bfloat16, seed=5))
+            results = []
+            for run in (attention, attention_reference):
+                inputs = [t.clone().requires_grad_(True) for t in (q, k, v)]
+                out = run(*inputs, **options)
+                weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+                (out.float() * weights.cuda()).sum().backward()
+                results.append([out.float(), *(t.grad.float() for t in inputs)])
+            for got, expected in zip(*results, strict=True):
+                rel = float((got - expected).norm() / expected.norm().clamp_min(1e-12))
+                assert rel <= 1e-2, (masks, name, rel)  # bf16 against the fp32 reference
+
+
+def test_unknown_mask_route_is_refused(monkeypatch):
+    from mt_ops.attention import FLEX
+
+    monkeypatch.setitem(FLEX, "masks", "sometimes")
+    q, k, v = _qkv((1, 2, 1, 8, 16), torch.float32, seed=0)
+    with pytest.raises(ValueError, match="FLEX\\['masks'\\].*'sometimes'.*windows"):
+        attention(q, k, v, window=3)

@@ -6,11 +6,13 @@ gradients: O(S²) memory per head. Fused kernels (Flash / cuDNN SDPA, FlashAtten
 stream K/V tiles through an online softmax and keep only the per-row log-sum-exp (LSE).
 The public op uses ``torch.nn.functional.scaled_dot_product_attention`` (which picks Flash,
 cuDNN, memory-efficient or math by capability) for plain causal attention, and SDPA with a
-boolean mask for sliding windows and explicit positions. Sinks (GPT-OSS) and LSE requests
+boolean mask for packed documents and explicit positions. Sinks (GPT-OSS) and LSE requests
 need the log-sum-exp, which SDPA does not return: on CUDA they run compiled
 ``flex_attention`` (a fused Triton kernel that returns the LSE and takes its gradient) with
-a block mask built from the same rules, then :func:`apply_sinks`; on CPU, and for head dims
-flex does not compile (not a power of two from 16 to 256), they run the reference.
+a block mask built from the same rules, then :func:`apply_sinks`; so do sliding windows on
+CUDA, where flex skips the blocks outside the window (see ``FLEX``). On CPU, and for head
+dims flex does not compile (not a power of two from 16 to 256), sinks and LSE requests run
+the reference and windows SDPA.
 
 Conventions:
 
@@ -41,8 +43,16 @@ from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, fle
 
 __all__ = ["apply_sinks", "attention", "attention_reference"]
 
-# Set "enabled" to False to send sinks and LSE requests on CUDA to the reference instead.
-FLEX = {"enabled": True}
+# On CUDA, sinks and LSE requests run flex_attention ("enabled" False: the reference).
+# Without them, masks other than plain causal take flex or SDPA with a boolean [Sq, Sk]
+# mask by "masks": "windows" sends windows on indices to flex (their block mask is built
+# once per shape), "all" sends documents and explicit positions too, "none" none. H200,
+# GPT-OSS heads (bench_ops_attention.py), fwd + bwd, flex against SDPA's mask: window 128,
+# 1.18 against 4.22 ms at 4k tokens, 1.71 against 15.93 at 8k; four packed documents,
+# 9.47 against 4.23 ms at 4k and 10.06 against 15.85 at 8k, flex's time there mostly the
+# eager create_block_mask that each call (each layer) makes for the row's documents.
+FLEX = {"enabled": True, "masks": "windows"}
+_MASK_ROUTES = ("windows", "all", "none")
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, window: int | None, sinks: Tensor | None) -> None:
@@ -323,15 +333,22 @@ def attention(
         q_document_ids=q_document_ids,
         kv_document_ids=kv_document_ids,
     )
-    if return_lse or sinks is not None:
-        if not _flex_supported(q_BHSD, v_BHSD):
-            return attention_reference(q_BHSD, k_BHSD, v_BHSD, return_lse=return_lse, **kwargs)
+    indexed = q_positions is None and kv_positions is None
+    plain = window is None and q_document_ids is None and kv_document_ids is None and indexed
+    needs_lse = return_lse or sinks is not None
+    flex = _flex_supported(q_BHSD, v_BHSD)
+    if needs_lse and not flex:
+        return attention_reference(q_BHSD, k_BHSD, v_BHSD, return_lse=return_lse, **kwargs)
+    if FLEX["masks"] not in _MASK_ROUTES:
+        raise ValueError(f"FLEX['masks'] ({FLEX['masks']!r}) must be one of {_MASK_ROUTES}")
+    windowed = indexed and q_document_ids is None and window is not None
+    masked_flex = FLEX["masks"] == "all" or (FLEX["masks"] == "windows" and windowed)
+    if needs_lse or (flex and not plain and masked_flex):
         del kwargs["sinks"]
         out, lse = _with_sinks(*_flex_attention_lse(q_BHSD, k_BHSD, v_BHSD, **kwargs), sinks)
         return (out, lse) if return_lse else out
     enable_gqa = q_BHSD.shape[1] != k_BHSD.shape[1]
-    plain = window is None and q_document_ids is None and kv_document_ids is None
-    if plain and q_positions is None and kv_positions is None:
+    if plain:
         return F.scaled_dot_product_attention(
             q_BHSD, k_BHSD, v_BHSD, is_causal=causal, scale=scale, enable_gqa=enable_gqa
         )
