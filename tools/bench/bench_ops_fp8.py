@@ -11,6 +11,9 @@ Each line prints a ratio against a baseline measured in the same run:
   composed from FP8GroupedLinear modules, and as the fused ``fp8_swiglu_experts``; with
   BF16 parameters and gradients on both sides (as FSDP2 mixed precision presents them),
   and the fused op with FP32 master parameters (FP32 gradients), and with a cold cache;
+- the expert block (permute, MLP, unpermute) in BF16 against FP8 with the MLP fused and
+  with the whole block fused (``fp8_moe_swiglu_experts``: quantization inside the permute
+  and inside the unpermute's backward);
 - fused SwiGLU + quantization against SwiGLU then quantization.
 
 ``--sections`` picks parts (default all); leaving out ``sweep`` (or ``--skip-sweep``) keeps
@@ -27,7 +30,15 @@ from triton.testing import do_bench
 import mt_ops.fp8_gemm as fp8_gemm
 import mt_ops.fp8_quant as fp8_quant
 import mt_ops.fp8_swiglu as fp8_swiglu
-from mt_ops import GroupedLinear, fp8_swiglu_experts, swiglu
+from mt_ops import (
+    GroupedLinear,
+    fp8_moe_swiglu_experts,
+    fp8_swiglu_experts,
+    permute,
+    plan_dispatch,
+    swiglu,
+    unpermute,
+)
 from mt_ops.fp8_gemm import (
     fp8_grouped_gemm,
     fp8_grouped_gemm_sum,
@@ -290,6 +301,63 @@ def grouped_gemms(name: str, num_tokens: int, skewed: bool) -> None:
 PROFILE = False
 
 
+def _experts(name: str, fp8: bool, cache=None, master=False) -> list[torch.nn.Module]:
+    """gate, up, down of one MoE layer's experts on CUDA (BF16 parameters unless master)."""
+    num_experts, _, dim, hidden = SHAPES[name]
+    torch.manual_seed(0)
+    projs = []
+    for d_in, d_out in ((dim, hidden), (dim, hidden), (hidden, dim)):
+        m = GroupedLinear(num_experts, d_in, d_out).cuda()
+        torch.nn.init.normal_(m.weight, std=d_in**-0.5)
+        if fp8:
+            m = FP8GroupedLinear.from_grouped_linear(m, weight_cache=cache, backend="triton")
+        if not master:
+            m = m.bfloat16()
+        projs.append(m)
+    return projs
+
+
+def expert_block(name: str, num_tokens: int, skewed: bool) -> None:
+    """permute → expert MLP → unpermute, forward + backward: BF16 modules, FP8 with the
+    MLP fused (permute and unpermute separate), and the FP8 block with both fused."""
+    num_experts, topk, dim, _ = SHAPES[name]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.zeros(num_experts, device="cuda")
+    if skewed:  # the Zipf-like load of counts_for, sampled per token (Gumbel top-k)
+        logits = -0.8 * torch.arange(1, num_experts + 1, device="cuda").float().log()
+        logits[-3:] = float("-inf")
+    gumbel = -torch.empty(num_tokens, num_experts, device="cuda").exponential_(generator=gen).log()
+    plan = plan_dispatch((logits + gumbel).topk(topk, dim=-1).indices, num_experts)
+    x = torch.randn(num_tokens, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weights = torch.rand(num_tokens, topk, device="cuda", requires_grad=True)
+    grad = torch.randn(num_tokens, dim, device="cuda", dtype=torch.bfloat16)
+    counts = plan.tokens_per_expert_E
+
+    bf16, fp8 = _experts(name, False), _experts(name, True, FP8WeightCache())
+
+    def run(block):
+        block().backward(grad)
+        x.grad = weights.grad = None
+        for proj in (*bf16, *fp8):  # else each step adds its weight gradients to the last
+            proj.weight.grad = None
+
+    def modules():
+        gate, up, down = bf16
+        rows = permute(x, plan)
+        return unpermute(down(swiglu(gate(rows, counts), up(rows, counts)), counts), plan, weights)
+
+    def mlp_fused():
+        return unpermute(fp8_swiglu_experts(permute(x, plan), counts, *fp8), plan, weights)
+
+    ms = [bench_ms(lambda fn=fn: run(fn)) for fn in
+          (modules, mlp_fused, lambda: fp8_moe_swiglu_experts(x, plan, weights, *fp8))]  # fmt: skip
+    print(
+        f"{name:17s} {'skewed' if skewed else 'balanced':8s} expert block (permute, MLP, "
+        f"unpermute) fwd+bwd T={num_tokens}: bf16 {ms[0]:6.2f} ms | fp8, MLP fused {ms[1]:6.2f} "
+        f"ms = {ms[0] / ms[1]:.2f}x | fp8, block fused {ms[2]:6.2f} ms = {ms[0] / ms[2]:.2f}x bf16"
+    )
+
+
 def expert_mlp(name: str, num_tokens: int, skewed: bool) -> None:
     num_experts, topk, dim, hidden = SHAPES[name]
     rows = num_tokens * topk
@@ -297,17 +365,7 @@ def expert_mlp(name: str, num_tokens: int, skewed: bool) -> None:
     flops = 3 * 3 * 2 * rows * dim * hidden  # 3 GEMMs, each fwd + dgrad + wgrad
 
     def build(fp8: bool, cache=None, master=False):
-        torch.manual_seed(0)
-        projs = []
-        for d_in, d_out in ((dim, hidden), (dim, hidden), (hidden, dim)):
-            m = GroupedLinear(num_experts, d_in, d_out).cuda()
-            torch.nn.init.normal_(m.weight, std=d_in**-0.5)
-            if fp8:
-                m = FP8GroupedLinear.from_grouped_linear(m, weight_cache=cache, backend="triton")
-            if not master:
-                m = m.bfloat16()
-            projs.append(m)
-        return projs
+        return _experts(name, fp8, cache, master)
 
     x = torch.randn(rows, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(rows, dim, device="cuda", dtype=torch.bfloat16)
@@ -369,8 +427,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument(
         "--sections",
-        default="sweep,variants,quant,dense,grouped,mlp",
-        help="comma-separated subset of: sweep,variants,quant,dense,grouped,mlp",
+        default="sweep,variants,quant,dense,grouped,mlp,block",
+        help="comma-separated subset of: sweep,variants,quant,dense,grouped,mlp,block",
     )
     parser.add_argument("--skip-sweep", action="store_true", help="same as leaving out 'sweep'")
     parser.add_argument("--profile", action="store_true", help="print profiler tables of the MLP")
@@ -389,7 +447,7 @@ def main() -> None:
         ("quant", lambda: quantization(copy_gbs)),
         ("dense", dense_gemms),
     ]
-    for key, fn in (("grouped", grouped_gemms), ("mlp", expert_mlp)):
+    for key, fn in (("grouped", grouped_gemms), ("mlp", expert_mlp), ("block", expert_block)):
         for name in SHAPES:
             for skewed in (False, True):
                 named.append(

@@ -155,3 +155,91 @@ def test_fused_mlp_rejects_a_weight_cache_of_another_scale_format():
     x = torch.randn(8, 128)
     with pytest.raises(ValueError, match="weight cache scale_format .'fp32'. must equal"):
         fp8_swiglu_experts(x, torch.tensor([3, 5]), *projs)
+
+
+def _moe_inputs(num_tokens, topk, num_experts, dim, device="cpu", dtype=torch.float32, seed=3):
+    from mt_ops import plan_dispatch
+
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.rand(num_tokens, num_experts, generator=gen)
+    scores[:, 1] = -1  # expert 1 gets no tokens
+    topk_ids = scores.topk(topk, dim=-1).indices.to(device)
+    x = torch.randn(num_tokens, dim, generator=gen).to(device, dtype)
+    weights = torch.rand(num_tokens, topk, generator=gen).to(device)
+    grad = torch.randn(num_tokens, dim, generator=gen).to(device, dtype)
+    return plan_dispatch(topk_ids, num_experts), x, weights, grad
+
+
+def _run_moe(fn, x, plan, weights, grad, projs):
+    x = x.detach().clone().requires_grad_(True)
+    weights = weights.detach().clone().requires_grad_(True)
+    out = fn(x, plan, weights, *projs)
+    out.backward(grad)
+    return [out.detach(), x.grad, weights.grad, *[m.weight.grad for m in projs]]
+
+
+def _composed_moe(x, plan, weights, *projs):
+    from mt_ops import permute, unpermute
+
+    rows = permute(x, plan)
+    return unpermute(fp8_swiglu_experts(rows, plan.tokens_per_expert_E, *projs), plan, weights)
+
+
+def test_fused_moe_block_matches_permute_mlp_unpermute_in_interpreter():
+    # The fused autograd function on CPU tensors: its gather-sum and weight-gradient kernels
+    # run in Triton's interpreter, the quantizations and GEMMs as their references (fp32:
+    # the interpreter mis-rounds casts to bf16).
+    from mt_ops.fp8_expert_mlp import _FP8MoESwiGLUFn, _Projections
+
+    plan, x, weights, grad = _moe_inputs(150, 3, 4, 256)
+
+    def fused(x, plan, weights, *projs):
+        return _FP8MoESwiGLUFn.apply(
+            x, weights, *(m.weight for m in projs), plan, _Projections(*projs)
+        )
+
+    got = _run_moe(fused, x, plan, weights, grad, _projections(4, 256, 384))
+    want = _run_moe(_composed_moe, x, plan, weights, grad, _projections(4, 256, 384))
+    names = ["out", "x grad", "weights grad", "gate grad", "up grad", "down grad"]
+    for name, g, w in zip(names, got, want, strict=True):
+        assert _relative(g, w) <= 1e-5, name  # fp32 sums in another order
+    assert torch.all(got[4][1] == 0)  # expert 1 had no rows
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_fused_moe_block_equals_permute_mlp_unpermute_bit_for_bit():
+    from mt_ops import fp8_moe_swiglu_experts
+
+    plan, x, weights, grad = _moe_inputs(2000, 6, 8, 2048, "cuda", torch.bfloat16)
+    got = _run_moe(
+        fp8_moe_swiglu_experts, x, plan, weights, grad,
+        _projections(8, 2048, 768, "cuda", FP8WeightCache(), "triton"),
+    )  # fmt: skip
+    want = _run_moe(
+        _composed_moe, x, plan, weights, grad,
+        _projections(8, 2048, 768, "cuda", FP8WeightCache(), "triton"),
+    )  # fmt: skip
+    names = ["out", "x grad", "weights grad", "gate grad", "up grad", "down grad"]
+    for name, g, w in zip(names, got, want, strict=True):
+        assert torch.equal(g, w), (name, _relative(g, w))
+
+
+def test_grouped_swiglu_moe_fuses_only_bias_free_fp8_projections_and_checks_shapes():
+    from mt_ops import grouped_swiglu_moe, permute, swiglu, unpermute
+    from mt_ops.fp8_expert_mlp import fp8_moe_swiglu_experts
+
+    plan, x, weights, _ = _moe_inputs(40, 2, 3, 128)
+    fp8 = _projections(3, 128, 256)
+    got = grouped_swiglu_moe(x, plan, weights, *fp8)
+    assert torch.equal(got, _composed_moe(x, plan, weights, *fp8))  # the CPU path composes
+    plain = [GroupedLinear(3, 128, 256), GroupedLinear(3, 128, 256), GroupedLinear(3, 256, 128)]
+    for module in plain:
+        nn.init.normal_(module.weight, std=0.05)
+    counts = plan.tokens_per_expert_E
+    rows = permute(x, plan)
+    composed = plain[2](swiglu(plain[0](rows, counts), plain[1](rows, counts)), counts)
+    assert torch.equal(grouped_swiglu_moe(x, plan, weights, *plain),
+                       unpermute(composed, plan, weights))  # fmt: skip
+    with pytest.raises(ValueError, match=r"x shape \(\(39, 128\)\).*T = 40, K = 2"):
+        fp8_moe_swiglu_experts(x[:39], plan, weights[:39], *fp8)

@@ -105,6 +105,39 @@ def test_dual_kernel_matches_reference_scales_exactly_in_interpreter(
     assert cols.data.shape == (shape[1], 128 * cols.scale.shape[0])
 
 
+def test_dual_kernel_gathers_and_weights_rows_as_a_permute_then_quantize(scale_format="fp32"):
+    # 97 tokens gathered into 300 routed rows (repeats, a skipped token), each row scaled by
+    # its weight: the kernel reads x once and writes what quantizing the gathered copy would.
+    x = _wide_range(97, 200).float()  # fp32: the interpreter mis-rounds casts to bf16
+    gen = torch.Generator().manual_seed(4)
+    source_rows = torch.randint(0, 96, (300,), generator=gen)
+    weights = torch.rand(300, generator=gen)
+    tiles = row_tiles(torch.tensor([0, 130, 3, 167]), 300)
+    for w in (None, weights):
+        rows, cols = _launch_1x128_kernel_for_test(
+            x, tiles, scale_format, source_rows=source_rows, row_weights=w
+        )
+        gathered = x[source_rows] if w is None else w[:, None] * x[source_rows]
+        ref_rows, ref_cols = quantize_1x128_dual_reference(gathered, tiles=tiles)
+        assert torch.equal(rows.scale, ref_rows.scale) and torch.equal(cols.scale, ref_cols.scale)
+        assert _mostly_equal(rows.data, ref_rows.data)
+        assert _mostly_equal(cols.data, ref_cols.data)
+        # The reference takes the same options.
+        opt_rows, opt_cols = quantize_1x128_dual_reference(
+            x, tiles=tiles, source_rows=source_rows, row_weights=w
+        )
+        assert torch.equal(opt_rows.data.view(torch.uint8), ref_rows.data.view(torch.uint8))
+        assert torch.equal(opt_cols.data.view(torch.uint8), ref_cols.data.view(torch.uint8))
+
+
+def test_dual_quantization_rejects_bad_row_options():
+    x = torch.randn(4, 128)
+    with pytest.raises(ValueError, match="source_rows.*integer"):
+        quantize_1x128_dual(x, source_rows=torch.zeros(3))
+    with pytest.raises(ValueError, match=r"row_weights shape \(\(2,\)\).*\[3\]"):
+        quantize_1x128_dual(x, source_rows=torch.tensor([0, 1, 1]), row_weights=torch.ones(2))
+
+
 @pytest.mark.parametrize("scale_format", FORMATS)
 @pytest.mark.parametrize("shape", [(70, 1100), (3, 128), (0, 256)])
 def test_rows_kernel_matches_reference_scales_exactly_in_interpreter(shape, scale_format):
@@ -165,10 +198,15 @@ def test_quantize_rejects_unknown_scale_format():
 def test_quantization_kernels_are_bit_exact_against_reference_on_gpu(shape, scale_format):
     x = _wide_range(*shape, seed=1).cuda().bfloat16()
     counts = torch.tensor([shape[0] // 3, 0, shape[0] - shape[0] // 3]).cuda()
-    for tiles in (None, row_tiles(counts, shape[0])):
-        rows, cols = quantize_1x128_dual(x, tiles=tiles, scale_format=scale_format)
+    gen = torch.Generator().manual_seed(3)
+    source_rows = torch.randint(0, max(shape[0], 1), (shape[0],), generator=gen).cuda()
+    weights = torch.rand(shape[0], generator=gen).cuda()
+    options = [{}, {}, {"source_rows": source_rows, "row_weights": weights}]  # a fused permute
+    for tiles, option in zip((None, row_tiles(counts, shape[0]), row_tiles(counts, shape[0])),
+                             options, strict=True):  # fmt: skip
+        rows, cols = quantize_1x128_dual(x, tiles=tiles, scale_format=scale_format, **option)
         ref_rows, ref_cols = quantize_1x128_dual_reference(
-            x, tiles=tiles, scale_format=scale_format
+            x, tiles=tiles, scale_format=scale_format, **option
         )
         for got, ref in ((rows, ref_rows), (cols, ref_cols)):
             assert torch.equal(scale_to_float(got.scale), scale_to_float(ref.scale))

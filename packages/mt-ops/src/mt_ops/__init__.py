@@ -16,9 +16,11 @@ from mt_ops.deferred_wgrad import (
     set_weight_grad_queue,
 )
 from mt_ops.fp8_expert_mlp import (
+    fp8_moe_swiglu_experts,
     fp8_swiglu_experts,
     fp8_swiglu_experts_reference,
     grouped_swiglu_mlp,
+    grouped_swiglu_moe,
 )
 from mt_ops.fp8_gemm import (
     fp8_backend,
@@ -73,9 +75,11 @@ __all__ = [
     "fp8_grouped_gemm_sum",
     "fp8_grouped_gemm_sum_reference",
     "fp8_grouped_wgrad",
+    "fp8_moe_swiglu_experts",
     "fp8_swiglu_experts",
     "fp8_swiglu_experts_reference",
     "grouped_swiglu_mlp",
+    "grouped_swiglu_moe",
     "make_weight_grads_deferrable",
     "permute_reference",
     "plan_dispatch_reference",

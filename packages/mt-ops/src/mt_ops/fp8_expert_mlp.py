@@ -29,14 +29,28 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from mt_ops._triton import use_kernels
 from mt_ops.deferred_wgrad import accumulate_grad
 from mt_ops.fp8_gemm import fp8_grouped_gemm, fp8_grouped_gemm_sum, fp8_grouped_wgrad
 from mt_ops.fp8_linear import FP8GroupedLinear, QuantizedWeight, _weight_source
 from mt_ops.fp8_quant import Fp8Quantized, RowTiles, quantize_1x128_dual, row_tiles
 from mt_ops.fp8_swiglu import swiglu_backward_quantize_1x128, swiglu_quantize_1x128
+from mt_ops.moe_permute import (
+    DispatchPlan,
+    _gather_sum,
+    _unpermute_backward,
+    permute,
+    unpermute,
+)
 from mt_ops.swiglu import swiglu
 
-__all__ = ["fp8_swiglu_experts", "fp8_swiglu_experts_reference", "grouped_swiglu_mlp"]
+__all__ = [
+    "fp8_moe_swiglu_experts",
+    "fp8_swiglu_experts",
+    "fp8_swiglu_experts_reference",
+    "grouped_swiglu_mlp",
+    "grouped_swiglu_moe",
+]
 
 
 @dataclass(frozen=True)
@@ -61,62 +75,117 @@ def _weight_grad(param: Tensor, queue, compute) -> Tensor | None:
     return None
 
 
+def _experts_forward(ctx, x_q, x_qt, tiles: RowTiles, projs: _Projections, dtype):
+    """The MLP from quantized rows: returns ``(y_RD, tensors to save)``; the weights and
+    wgrad targets go on ``ctx``. The saved list is what :func:`_experts_backward` takes."""
+    down = projs.down
+    backend = down.backend
+    qgate, qup, qdown = (projs.quantized(m) for m in (projs.gate, projs.up, down))
+    gate_RF = fp8_grouped_gemm(x_q, qgate.blocks, tiles, out_dtype=dtype, backend=backend)
+    up_RF = fp8_grouped_gemm(x_q, qup.blocks, tiles, out_dtype=dtype, backend=backend)
+    h_q, h_qt = swiglu_quantize_1x128(gate_RF, up_RF, tiles=tiles, scale_format=down.scale_format)
+    y_RD = fp8_grouped_gemm(h_q, qdown.blocks, tiles, out_dtype=dtype, backend=backend)
+    ctx.num_rows, ctx.projs, ctx.qweights = tiles.num_rows, projs, (qgate, qup, qdown)
+    # Parameters and wgrad queues as of forward (a schedule may swap queues before backward).
+    ctx.wgrad_targets = [(m.weight, m.wgrad_queue) for m in (projs.gate, projs.up, down)]
+    saved = [
+        gate_RF, up_RF, x_qt.data, x_qt.scale, h_qt.data, h_qt.scale,
+        tiles.start_T, tiles.end_T, tiles.group_T, tiles.group_first_tile_G,
+    ]  # fmt: skip
+    return y_RD, saved
+
+
+def _experts_backward(ctx, saved, dy_q, dy_qt, needs_input_grad: bool, needs_weight_grads):
+    """The MLP's backward from the quantized output gradient: ``(grad_x_RD, [dW...])``."""
+    gate_RF, up_RF, x_data, x_scale, h_data, h_scale, *tile_fields = saved
+    tiles = RowTiles(*tile_fields, ctx.num_rows)
+    qgate, qup, qdown = ctx.qweights
+    fmt, backend = ctx.projs.down.scale_format, ctx.projs.down.backend
+    x_qt, h_qt = Fp8Quantized(x_data, x_scale), Fp8Quantized(h_data, h_scale)
+    dh_RF = fp8_grouped_gemm(
+        dy_q, qdown.transposed, tiles, out_dtype=gate_RF.dtype, backend=backend
+    )
+    (dgate_q, dgate_qt), (dup_q, dup_qt) = swiglu_backward_quantize_1x128(
+        dh_RF, gate_RF, up_RF, tiles=tiles, scale_format=fmt
+    )
+    del dh_RF
+    grad_x = None
+    if needs_input_grad:
+        grad_x = fp8_grouped_gemm_sum(
+            dgate_q, qgate.transposed, dup_q, qup.transposed, tiles,
+            out_dtype=gate_RF.dtype, backend=backend,
+        )  # fmt: skip
+    grads = []
+    for (param, queue), needed, a_t, b_t in zip(
+        ctx.wgrad_targets, needs_weight_grads, (dgate_qt, dup_qt, dy_qt), (x_qt, x_qt, h_qt),
+        strict=True,
+    ):  # fmt: skip
+
+        def compute(a_t=a_t, b_t=b_t, dtype=param.dtype) -> Tensor:
+            return fp8_grouped_wgrad(a_t, b_t, tiles, out_dtype=dtype, backend=backend)
+
+        grads.append(_weight_grad(param, queue, compute) if needed else None)
+    return grad_x, grads
+
+
 class _FP8SwiGLUExpertsFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_RD, w_gate, w_up, w_down, counts_E, projs):
-        down = projs.down
-        fmt, backend = down.scale_format, down.backend
-        qgate, qup, qdown = (projs.quantized(m) for m in (projs.gate, projs.up, down))
         tiles = row_tiles(counts_E, x_RD.shape[0])
+        fmt = projs.down.scale_format
         x_q, x_qt = quantize_1x128_dual(x_RD, tiles=tiles, scale_format=fmt)  # once for both
-        gate_RF = fp8_grouped_gemm(x_q, qgate.blocks, tiles, out_dtype=x_RD.dtype, backend=backend)
-        up_RF = fp8_grouped_gemm(x_q, qup.blocks, tiles, out_dtype=x_RD.dtype, backend=backend)
-        h_q, h_qt = swiglu_quantize_1x128(gate_RF, up_RF, tiles=tiles, scale_format=fmt)
-        y_RD = fp8_grouped_gemm(h_q, qdown.blocks, tiles, out_dtype=x_RD.dtype, backend=backend)
-        ctx.save_for_backward(
-            gate_RF, up_RF, x_qt.data, x_qt.scale, h_qt.data, h_qt.scale,
-            tiles.start_T, tiles.end_T, tiles.group_T, tiles.group_first_tile_G,
-        )  # fmt: skip
-        ctx.num_rows, ctx.projs, ctx.qweights = x_RD.shape[0], projs, (qgate, qup, qdown)
-        # Parameters and wgrad queues as of forward (a schedule may swap queues before backward).
-        ctx.wgrad_targets = [(m.weight, m.wgrad_queue) for m in (projs.gate, projs.up, down)]
+        y_RD, saved = _experts_forward(ctx, x_q, x_qt, tiles, projs, x_RD.dtype)
+        ctx.save_for_backward(*saved)
         return y_RD
 
     @staticmethod
     def backward(ctx, dy_RD):
-        gate_RF, up_RF, x_data, x_scale, h_data, h_scale, *tile_fields = ctx.saved_tensors
-        tiles = RowTiles(*tile_fields, ctx.num_rows)
-        projs, (qgate, qup, qdown) = ctx.projs, ctx.qweights
-        fmt, backend = projs.down.scale_format, projs.down.backend
-        x_qt, h_qt = Fp8Quantized(x_data, x_scale), Fp8Quantized(h_data, h_scale)
+        saved = ctx.saved_tensors
+        tiles = RowTiles(*saved[-4:], ctx.num_rows)
+        fmt = ctx.projs.down.scale_format
         dy_q, dy_qt = quantize_1x128_dual(dy_RD.contiguous(), tiles=tiles, scale_format=fmt)
-        dh_RF = fp8_grouped_gemm(
-            dy_q, qdown.transposed, tiles, out_dtype=gate_RF.dtype, backend=backend
+        grad_x, grads = _experts_backward(
+            ctx, saved, dy_q, dy_qt, ctx.needs_input_grad[0], ctx.needs_input_grad[1:4]
         )
-        (dgate_q, dgate_qt), (dup_q, dup_qt) = swiglu_backward_quantize_1x128(
-            dh_RF, gate_RF, up_RF, tiles=tiles, scale_format=fmt
-        )
-        del dh_RF
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            grad_x = fp8_grouped_gemm_sum(
-                dgate_q, qgate.transposed, dup_q, qup.transposed, tiles,
-                out_dtype=gate_RF.dtype, backend=backend,
-            )  # fmt: skip
-        grads = []
-        for (param, queue), needed, a_t, b_t in zip(
-            ctx.wgrad_targets,
-            ctx.needs_input_grad[1:4],
-            (dgate_qt, dup_qt, dy_qt),
-            (x_qt, x_qt, h_qt),
-            strict=True,
-        ):
-
-            def compute(a_t=a_t, b_t=b_t, dtype=param.dtype) -> Tensor:
-                return fp8_grouped_wgrad(a_t, b_t, tiles, out_dtype=dtype, backend=backend)
-
-            grads.append(_weight_grad(param, queue, compute) if needed else None)
         return grad_x, *grads, None, None
+
+
+class _FP8MoESwiGLUFn(torch.autograd.Function):
+    """permute → experts → unpermute, the permute fused into x's quantization and the
+    unpermute's backward into dy's."""
+
+    @staticmethod
+    def forward(ctx, x_TD, weights_TK, w_gate, w_up, w_down, plan, projs):
+        tiles = row_tiles(plan.tokens_per_expert_E, plan.num_tokens * plan.topk)
+        fmt = projs.down.scale_format
+        x_q, x_qt = quantize_1x128_dual(
+            x_TD, tiles=tiles, scale_format=fmt, source_rows=plan.sorted_token_ids_R
+        )
+        y_RD, saved = _experts_forward(ctx, x_q, x_qt, tiles, projs, x_TD.dtype)
+        ctx.plan = plan
+        ctx.save_for_backward(*saved, y_RD, weights_TK)
+        return _gather_sum(y_RD, plan, weights_TK)
+
+    @staticmethod
+    def backward(ctx, dout_TD):
+        *saved, y_RD, weights_TK = ctx.saved_tensors
+        plan, dout_TD = ctx.plan, dout_TD.contiguous()
+        tiles = RowTiles(*saved[-4:], ctx.num_rows)
+        # Routed row r's gradient is w[slot of r] · dout[token of r] (unpermute's backward).
+        row_weights_R = weights_TK.reshape(-1).index_select(0, plan.sorted_slot_R)
+        dy_q, dy_qt = quantize_1x128_dual(
+            dout_TD, tiles=tiles, scale_format=ctx.projs.down.scale_format,
+            source_rows=plan.sorted_token_ids_R, row_weights=row_weights_R,
+        )  # fmt: skip
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = _unpermute_backward(dout_TD, y_RD, plan, weights_TK, grad_y=False)[1]
+        del y_RD
+        grad_x_RD, grads = _experts_backward(
+            ctx, saved, dy_q, dy_qt, ctx.needs_input_grad[0], ctx.needs_input_grad[2:5]
+        )
+        grad_x = None if grad_x_RD is None else _gather_sum(grad_x_RD, plan)
+        return grad_x, grad_w, *grads, None, None
 
 
 def _autocast_input(x: Tensor) -> Tensor:
@@ -180,6 +249,92 @@ def fp8_swiglu_experts(
         _autocast_input(x_RD).contiguous(), gate_proj.weight, up_proj.weight, down_proj.weight,
         tokens_per_expert_E, projs,
     )  # fmt: skip
+
+
+def fp8_moe_swiglu_experts(
+    x_TD: Tensor,
+    plan: DispatchPlan,
+    topk_weights_TK: Tensor,
+    gate_proj: FP8GroupedLinear,
+    up_proj: FP8GroupedLinear,
+    down_proj: FP8GroupedLinear,
+) -> Tensor:
+    """``unpermute(fp8_swiglu_experts(permute(x), ...), plan, topk_weights)``, the permute
+    fused into the quantization of x and the unpermute's backward into that of dy.
+
+    A BF16 permute writes the routed rows [R, D] that the MLP then reads to quantize; here
+    the quantization gathers the token rows itself and writes only the FP8 copies (as many
+    bytes as the permute alone). In the backward the output gradient is gathered, weighted
+    and quantized in one pass, without the routed-row gradient in BF16. The result and every
+    gradient equal the composition's on GPU bit for bit, except the input gradient's single
+    rounding as in :func:`fp8_swiglu_experts`.
+
+    Args:
+        x_TD: Token activations [T, D].
+        plan: The :func:`~mt_ops.moe_plan.plan_dispatch` plan of these tokens.
+        topk_weights_TK: Router weight of each token's k-th expert [T, K].
+        gate_proj: Gate projection, weight [E, F, D], no bias.
+        up_proj: Up projection, weight [E, F, D], no bias.
+        down_proj: Down projection, weight [E, D, F], no bias.
+
+    Returns:
+        ``out[t] = Σ_k w[t, k] · expert_k(x[t])``, [T, D] in the dtype of ``x_TD`` (the
+        autocast dtype under autocast).
+    """
+    _check(x_TD, plan.tokens_per_expert_E, gate_proj, up_proj, down_proj)
+    if x_TD.shape[0] != plan.num_tokens or tuple(topk_weights_TK.shape) != (
+        plan.num_tokens,
+        plan.topk,
+    ):
+        raise ValueError(
+            f"x shape ({tuple(x_TD.shape)}) and topk_weights shape "
+            f"({tuple(topk_weights_TK.shape)}) must be [T, D] and [T, K] with T = "
+            f"{plan.num_tokens}, K = {plan.topk}; pass the tokens the plan was made for"
+        )
+    x_TD = _autocast_input(x_TD).contiguous()
+    if not use_kernels(x_TD, topk_weights_TK) or plan.num_tokens * plan.topk == 0:
+        rows_RD = permute(x_TD, plan)
+        y_RD = fp8_swiglu_experts(rows_RD, plan.tokens_per_expert_E, gate_proj, up_proj, down_proj)
+        return unpermute(y_RD, plan, topk_weights_TK)
+    projs = _Projections(gate_proj, up_proj, down_proj)
+    return _FP8MoESwiGLUFn.apply(
+        x_TD, topk_weights_TK.contiguous(), gate_proj.weight, up_proj.weight, down_proj.weight,
+        plan, projs,
+    )  # fmt: skip
+
+
+def grouped_swiglu_moe(
+    x_TD: Tensor,
+    plan: DispatchPlan,
+    topk_weights_TK: Tensor,
+    gate_proj: torch.nn.Module,
+    up_proj: torch.nn.Module,
+    down_proj: torch.nn.Module,
+) -> Tensor:
+    """permute → :func:`grouped_swiglu_mlp` → unpermute, for any kind of grouped linears.
+
+    Runs :func:`fp8_moe_swiglu_experts` (permute and unpermute fused with quantization)
+    when all three projections are bias-free :class:`FP8GroupedLinear` modules; otherwise
+    composes :func:`~mt_ops.moe_permute.permute`, :func:`grouped_swiglu_mlp` and
+    :func:`~mt_ops.moe_permute.unpermute`.
+
+    Args:
+        x_TD: Token activations [T, D].
+        plan: The :func:`~mt_ops.moe_plan.plan_dispatch` plan of these tokens.
+        topk_weights_TK: Router weight of each token's k-th expert [T, K].
+        gate_proj: Gate projection (called as ``gate_proj(x_RD, tokens_per_expert_E)``).
+        up_proj: Up projection.
+        down_proj: Down projection.
+
+    Returns:
+        ``out`` [T, D].
+    """
+    projections = (gate_proj, up_proj, down_proj)
+    if all(isinstance(m, FP8GroupedLinear) and m.bias is None for m in projections):
+        return fp8_moe_swiglu_experts(x_TD, plan, topk_weights_TK, *projections)
+    rows_RD = permute(x_TD, plan)
+    y_RD = grouped_swiglu_mlp(rows_RD, plan.tokens_per_expert_E, *projections)
+    return unpermute(y_RD, plan, topk_weights_TK)
 
 
 def fp8_swiglu_experts_reference(

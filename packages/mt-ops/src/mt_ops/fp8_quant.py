@@ -269,20 +269,27 @@ def _tile_pointers(
 
 @triton.jit
 def _quant_1x128_dual_kernel(
-    x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, tile_start_ptr, tile_end_ptr,
-    num_rows, num_cols, stride_x, num_col_tiles, num_row_tiles,
+    x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, tile_start_ptr, tile_end_ptr, src_row_ptr,
+    row_weight_ptr, num_rows, num_cols, stride_x, num_col_tiles, num_row_tiles,
     ROWWISE: tl.constexpr, SEGMENTED: tl.constexpr, E8M0: tl.constexpr,
+    GATHER: tl.constexpr, WEIGHTED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TRANS_STORE: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_k, rows64, row_ok, cols, col_ok = _tile_pointers(
         tile_start_ptr, tile_end_ptr, num_rows, num_cols, num_col_tiles,
         SEGMENTED, BLOCK_M, BLOCK_K,
     )  # fmt: skip
-    x_ptrs = x_ptr + rows64[:, None] * stride_x + cols[None, :]
-    x = tl.load(x_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    src64 = rows64
+    if GATHER:  # row r of the result is row src[r] of x (a fused MoE permute)
+        src64 = tl.load(src_row_ptr + rows64, mask=row_ok, other=0).to(tl.int64)
+    x_ptrs = x_ptr + src64[:, None] * stride_x + cols[None, :]
+    x = tl.load(x_ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    if WEIGHTED:  # scaled and rounded to x's dtype first, as a weighted copy would be
+        w = tl.load(row_weight_ptr + rows64, mask=row_ok, other=0.0).to(tl.float32)
+        x = (w[:, None] * x.to(tl.float32)).to(x_ptr.dtype.element_ty)
     _quantize_store_dual(
-        x, rows64, row_ok, cols, col_ok, pid_m, pid_k, q_ptr, s_ptr, qt_ptr, st_ptr,
-        num_cols, num_col_tiles, num_row_tiles, ROWWISE, True, E8M0, BLOCK_M, BLOCK_K,
+        x.to(tl.float32), rows64, row_ok, cols, col_ok, pid_m, pid_k, q_ptr, s_ptr, qt_ptr,
+        st_ptr, num_cols, num_col_tiles, num_row_tiles, ROWWISE, True, E8M0, BLOCK_M, BLOCK_K,
         TRANS_STORE,
     )  # fmt: skip
 
@@ -324,8 +331,10 @@ def _check_2d(x: Tensor, what: str) -> None:
         )
 
 
-def _launch_1x128(x_MK, tiles, rowwise, colwise, scale_format):
-    num_rows, num_cols = x_MK.shape
+def _launch_1x128(x_MK, tiles, rowwise, colwise, scale_format, source_rows=None,
+                  row_weights=None):  # fmt: skip
+    num_rows = x_MK.shape[0] if source_rows is None else source_rows.shape[0]
+    num_cols = x_MK.shape[1]
     dev = x_MK.device
     num_col_tiles = cdiv(num_cols, BLOCK)
     e8m0 = scale_format == "e8m0"
@@ -352,8 +361,11 @@ def _launch_1x128(x_MK, tiles, rowwise, colwise, scale_format):
         _quant_1x128_dual_kernel, (num_row_tiles * num_col_tiles,),
         x_MK, q, _scale_storage(s), qt, _scale_storage(st),
         tiles.start_T if segmented else dummy, tiles.end_T if segmented else dummy,
+        dummy if source_rows is None else source_rows,
+        dummy if row_weights is None else row_weights,
         num_rows, num_cols, x_MK.stride(0), num_col_tiles, num_row_tiles,
-        ROWWISE=rowwise, SEGMENTED=segmented, E8M0=e8m0, BLOCK_M=BLOCK, BLOCK_K=BLOCK,
+        ROWWISE=rowwise, SEGMENTED=segmented, E8M0=e8m0, GATHER=source_rows is not None,
+        WEIGHTED=row_weights is not None, BLOCK_M=BLOCK, BLOCK_K=BLOCK,
         TRANS_STORE=cfg["dual_trans_store"], num_warps=cfg["dual_warps"],
     )  # fmt: skip
     return Fp8Quantized(q, s), Fp8Quantized(qt, st)
@@ -377,33 +389,64 @@ def quantize_1x128(x_MK: Tensor, *, scale_format: ScaleFormat = "fp32") -> Fp8Qu
 
 
 def quantize_1x128_dual(
-    x_MK: Tensor, *, tiles: RowTiles | None = None, scale_format: ScaleFormat = "fp32"
+    x_MK: Tensor,
+    *,
+    tiles: RowTiles | None = None,
+    scale_format: ScaleFormat = "fp32",
+    source_rows: Tensor | None = None,
+    row_weights: Tensor | None = None,
 ) -> tuple[Fp8Quantized, Fp8Quantized]:
     """Quantizes x by 1×128 row tiles and xᵀ by 128-row tiles, reading x once.
+
+    With ``source_rows`` and ``row_weights`` it quantizes ``(w · x[source_rows])`` rounded
+    to x's dtype, the tensor a gather (MoE permute) and a weighted copy would write, without
+    writing it.
 
     Args:
         x_MK: [M, K] float tensor.
         tiles: Row tiles that restart at each group (expert); None: plain 128-row tiles.
         scale_format: ``"fp32"`` or ``"e8m0"``.
+        source_rows: Integer [M'], the row of x that becomes each row of the result (rows
+            may repeat); None: x's rows in order (M' = M).
+        row_weights: Float [M'], a factor for each row of the result; None: 1.
 
     Returns:
-        ``(rowwise, transposed)``: rowwise data [M, K] with scales [M, ceil(K/128)], and
+        ``(rowwise, transposed)``: rowwise data [M', K] with scales [M', ceil(K/128)], and
         tile-padded transposed data [K, 128·T] with scales [T, K] (T = row tiles, or
-        ceil(M/128) without ``tiles``; padding and unused slots hold 0 with scale 1). The
+        ceil(M'/128) without ``tiles``; padding and unused slots hold 0 with scale 1). The
         scales are tile-major so that the wgrad GEMM reads one contiguous row per tile.
     """
     _check_scale_format(scale_format)
     _check_2d(x_MK, "x")
+    _check_row_options(x_MK, source_rows, row_weights)
     if not use_kernels(x_MK):
-        return quantize_1x128_dual_reference(x_MK, tiles=tiles, scale_format=scale_format)
-    return _launch_1x128(x_MK, tiles, True, True, scale_format)
+        return quantize_1x128_dual_reference(
+            x_MK, tiles=tiles, scale_format=scale_format, source_rows=source_rows,
+            row_weights=row_weights,
+        )  # fmt: skip
+    return _launch_1x128(x_MK, tiles, True, True, scale_format, source_rows, row_weights)
+
+
+def _check_row_options(x_MK: Tensor, source_rows: Tensor | None, row_weights: Tensor | None):
+    num_rows = x_MK.shape[0] if source_rows is None else source_rows.shape[0]
+    if source_rows is not None and (source_rows.dim() != 1 or source_rows.is_floating_point()):
+        raise ValueError(
+            f"source_rows ({source_rows.dtype}, shape {tuple(source_rows.shape)}) must be a "
+            "1-D integer tensor of x's row indices"
+        )
+    if row_weights is not None and tuple(row_weights.shape) != (num_rows,):
+        raise ValueError(
+            f"row_weights shape ({tuple(row_weights.shape)}) must be [{num_rows}], one "
+            "factor per row of the result"
+        )
 
 
 def _launch_1x128_kernel_for_test(
-    x_MK, tiles=None, scale_format: ScaleFormat = "fp32", *, rows_only: bool = False
-):
+    x_MK, tiles=None, scale_format: ScaleFormat = "fp32", *, rows_only: bool = False,
+    source_rows=None, row_weights=None,
+):  # fmt: skip
     """Runs the dual (or rows-only) kernel on any device (interpreter on CPU); tests use it."""
-    return _launch_1x128(x_MK, tiles, True, not rows_only, scale_format)
+    return _launch_1x128(x_MK, tiles, True, not rows_only, scale_format, source_rows, row_weights)
 
 
 def _pow2_exponent(amax: Tensor) -> Tensor:
@@ -446,10 +489,20 @@ def _tile_of_row(tiles: RowTiles) -> Tensor:
 
 
 def quantize_1x128_dual_reference(
-    x_MK: Tensor, *, tiles: RowTiles | None = None, scale_format: ScaleFormat = "fp32"
+    x_MK: Tensor,
+    *,
+    tiles: RowTiles | None = None,
+    scale_format: ScaleFormat = "fp32",
+    source_rows: Tensor | None = None,
+    row_weights: Tensor | None = None,
 ) -> tuple[Fp8Quantized, Fp8Quantized]:
     """Reference of :func:`quantize_1x128_dual` in plain PyTorch (same arguments and results)."""
     _check_scale_format(scale_format)
+    _check_row_options(x_MK, source_rows, row_weights)
+    if source_rows is not None:
+        x_MK = x_MK.index_select(0, source_rows)
+    if row_weights is not None:
+        x_MK = (row_weights.float()[:, None] * x_MK.float()).to(x_MK.dtype)
     rowwise = quantize_1x128_reference(x_MK, scale_format=scale_format)
     num_rows, num_cols = x_MK.shape
     if tiles is None:

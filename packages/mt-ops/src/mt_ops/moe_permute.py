@@ -79,7 +79,7 @@ def _gather_sum_kernel(
 @triton.jit
 def _unpermute_bwd_kernel(
     grad_out_ptr, y_ptr, row_of_slot_ptr, weight_ptr, grad_y_ptr, grad_w_ptr, D, K,
-    BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    WRITE_GRAD_Y: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
@@ -94,8 +94,9 @@ def _unpermute_bwd_kernel(
         g = tl.load(grad_out_ptr + t * D + cols, mask=c_ok, other=0.0).to(tl.float32)
         y = tl.load(y_ptr + rows[:, None] * D + cols[None, :], mask=ok, other=0.0).to(tl.float32)
         dots += tl.sum(y * g[None, :], axis=1)
-        grad_y = (w[:, None] * g[None, :]).to(grad_y_ptr.dtype.element_ty)
-        tl.store(grad_y_ptr + rows[:, None] * D + cols[None, :], grad_y, mask=ok)
+        if WRITE_GRAD_Y:  # (without: a fused consumer makes the routed-row gradient itself)
+            grad_y = (w[:, None] * g[None, :]).to(grad_y_ptr.dtype.element_ty)
+            tl.store(grad_y_ptr + rows[:, None] * D + cols[None, :], grad_y, mask=ok)
     tl.store(grad_w_ptr + t * K + ks, dots.to(grad_w_ptr.dtype.element_ty), mask=k_ok)
 
 
@@ -146,16 +147,22 @@ class _UnpermuteFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_TD):
         y_RD, weights_TK = ctx.saved_tensors
-        plan = ctx.plan
-        grad_y = torch.empty_like(y_RD)
-        grad_w = torch.empty(weights_TK.shape, dtype=weights_TK.dtype, device=y_RD.device)
-        launch(
-            _unpermute_bwd_kernel, (plan.num_tokens,), grad_TD.contiguous(), y_RD,
-            plan.row_of_slot_R, weights_TK, grad_y, grad_w, y_RD.shape[1], plan.topk,
-            BLOCK_K=_pow2(plan.topk), BLOCK_D=PERMUTE_CONFIG["bwd_BLOCK_D"],
-            num_warps=PERMUTE_CONFIG["bwd_warps"],
-        )  # fmt: skip
+        grad_y, grad_w = _unpermute_backward(grad_TD.contiguous(), y_RD, ctx.plan, weights_TK)
         return grad_y, None, grad_w
+
+
+def _unpermute_backward(grad_TD, y_RD, plan, weights_TK, grad_y=True):
+    """Unpermute's ``(grad_y, grad_w)`` in one pass; ``grad_y=False`` computes only the
+    top-k weight gradient (``grad_y`` is then None)."""
+    grad_y_RD = torch.empty_like(y_RD) if grad_y else None
+    grad_w = torch.empty(weights_TK.shape, dtype=weights_TK.dtype, device=y_RD.device)
+    launch(
+        _unpermute_bwd_kernel, (plan.num_tokens,), grad_TD, y_RD, plan.row_of_slot_R,
+        weights_TK, y_RD if grad_y_RD is None else grad_y_RD, grad_w, y_RD.shape[1],
+        plan.topk, WRITE_GRAD_Y=grad_y, BLOCK_K=_pow2(plan.topk),
+        BLOCK_D=PERMUTE_CONFIG["bwd_BLOCK_D"], num_warps=PERMUTE_CONFIG["bwd_warps"],
+    )  # fmt: skip
+    return grad_y_RD, grad_w
 
 
 def _check_permute(x_TD: Tensor, plan: DispatchPlan) -> None:
