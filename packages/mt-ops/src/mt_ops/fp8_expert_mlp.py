@@ -17,6 +17,15 @@ the same products with:
 - the gate and up input gradients summed inside one GEMM
   (:func:`~mt_ops.fp8_gemm.fp8_grouped_gemm_sum`).
 
+:func:`fp8_moe_swiglu_experts` takes the tokens and the dispatch plan instead of routed
+rows and also folds the MoE permute and unpermute in: x's quantization gathers the token
+rows itself (no BF16 routed copy), and in the backward the output gradient is gathered,
+weighted by the router and quantized in one pass (no BF16 routed-row gradient); the
+unpermute's forward gather-sum and the top-k weight gradient stay as in ``mt_ops.unpermute``.
+On the H200 (Qwen3-30B-A3B experts, 16k tokens) that removes 0.32 ms of 8.8 ms of kernels per
+layer step. The models do not call it yet: their dispatch, experts and combine phases run
+separately (the pipeline schedules interleave them).
+
 Weights come from each projection's :class:`~mt_ops.fp8_linear.FP8WeightCache` (or are
 quantized per call without one), and a projection's ``wgrad_queue`` defers its weight
 gradient exactly as in ``FP8GroupedLinear``. Forward output and weight gradients equal the
