@@ -306,8 +306,8 @@ def test_gpu_sinks_and_lse_take_compiled_flex_and_match_reference_with_gradients
 def test_gpu_masks_without_sinks_match_reference_through_flex_and_sdpa(monkeypatch):
     from mt_ops.attention import FLEX
 
-    # The default (windows to flex), everything to flex, SDPA with a boolean mask.
-    for masks in ("windows", "all", "none"):
+    # The default (windows and documents to flex), everything to flex, SDPA's boolean mask.
+    for masks in ("auto", "all", "none"):
         monkeypatch.setitem(FLEX, "masks", masks)
         for name in ("window", "chunk positions, queries with no key", "documents"):
             options = {key: t.cuda() if isinstance(t, torch.Tensor) else t
@@ -323,6 +323,13 @@ def test_gpu_masks_without_sinks_match_reference_through_flex_and_sdpa(monkeypat
             for got, expected in zip(*results, strict=True):
                 rel = float((got - expected).norm() / expected.norm().clamp_min(1e-12))
                 assert rel <= 1e-2, (masks, name, rel)  # bf16 against the fp32 reference
+    # Packed documents over several blocks (whole, partial and empty ones; 700 tokens).
+    docs = torch.repeat_interleave(torch.arange(4), torch.tensor([130, 256, 5, 309])).cuda()
+    q, k, v = (t.cuda() for t in _qkv((1, 8, 2, 700, 64), torch.bfloat16, seed=6))
+    options = {"q_document_ids": docs, "kv_document_ids": docs}
+    got = attention(q, k, v, **options)
+    expected = attention_reference(q, k, v, **options)
+    assert float((got.float() - expected).norm() / expected.norm()) <= 1e-2
 
 
 def test_unknown_mask_route_is_refused(monkeypatch):
@@ -330,5 +337,26 @@ def test_unknown_mask_route_is_refused(monkeypatch):
 
     monkeypatch.setitem(FLEX, "masks", "sometimes")
     q, k, v = _qkv((1, 2, 1, 8, 16), torch.float32, seed=0)
-    with pytest.raises(ValueError, match="FLEX\\['masks'\\].*'sometimes'.*windows"):
+    with pytest.raises(ValueError, match="FLEX\\['masks'\\].*'sometimes'.*auto"):
         attention(q, k, v, window=3)
+
+
+@pytest.mark.parametrize("window", [None, 300])
+def test_document_block_mask_lists_the_blocks_create_block_mask_finds(window):
+    from mt_ops.attention import _block_mask, _document_block_mask, _flex_attention_lse
+
+    lengths = ([130, 256, 5, 309], [700])  # two packed rows of 700 tokens (6 blocks)
+    docs = torch.stack([torch.repeat_interleave(torch.arange(len(n)), torch.tensor(n))
+                        for n in lengths])  # fmt: skip
+    args = (True, window, 2, 700, 700, torch.device("cpu"))
+    ours = _document_block_mask(*args, docs, docs)
+    theirs = _block_mask(*args, None, None, docs, docs)
+    assert torch.equal(ours.to_dense(), theirs.to_dense())  # the same non-empty blocks
+    assert int(ours.full_kv_num_blocks.sum()) > 0  # whole blocks inside one document
+    q, k, v = _qkv((2, 2, 1, 700, 16), torch.float32, seed=9)
+    options = {**flex_options({"window": window}), "q_document_ids": docs,
+               "kv_document_ids": docs}  # fmt: skip
+    out, lse = _flex_attention_lse(q, k, v, compiled=False, **options)
+    ref, ref_lse = attention_reference(q, k, v, return_lse=True, **options)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)

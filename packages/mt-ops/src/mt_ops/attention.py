@@ -6,13 +6,13 @@ gradients: O(S²) memory per head. Fused kernels (Flash / cuDNN SDPA, FlashAtten
 stream K/V tiles through an online softmax and keep only the per-row log-sum-exp (LSE).
 The public op uses ``torch.nn.functional.scaled_dot_product_attention`` (which picks Flash,
 cuDNN, memory-efficient or math by capability) for plain causal attention, and SDPA with a
-boolean mask for packed documents and explicit positions. Sinks (GPT-OSS) and LSE requests
-need the log-sum-exp, which SDPA does not return: on CUDA they run compiled
-``flex_attention`` (a fused Triton kernel that returns the LSE and takes its gradient) with
-a block mask built from the same rules, then :func:`apply_sinks`; so do sliding windows on
-CUDA, where flex skips the blocks outside the window (see ``FLEX``). On CPU, and for head
-dims flex does not compile (not a power of two from 16 to 256), sinks and LSE requests run
-the reference and windows SDPA.
+boolean mask for explicit positions. Sinks (GPT-OSS) and LSE requests need the
+log-sum-exp, which SDPA does not return: on CUDA they run compiled ``flex_attention`` (a
+fused Triton kernel that returns the LSE and takes its gradient) with a block mask built
+from the same rules, then :func:`apply_sinks`; so do sliding windows and packed documents
+on CUDA, where flex skips the blocks that no query sees (see ``FLEX``). On CPU, and for
+head dims flex does not compile (not a power of two from 16 to 256), sinks and LSE requests
+run the reference and masks SDPA.
 
 Conventions:
 
@@ -39,20 +39,25 @@ from functools import cache, lru_cache
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import (
+    AuxRequest,
+    BlockMask,
+    create_block_mask,
+    flex_attention,
+)
 
 __all__ = ["apply_sinks", "attention", "attention_reference"]
 
 # On CUDA, sinks and LSE requests run flex_attention ("enabled" False: the reference).
 # Without them, masks other than plain causal take flex or SDPA with a boolean [Sq, Sk]
-# mask by "masks": "windows" sends windows on indices to flex (their block mask is built
-# once per shape), "all" sends documents and explicit positions too, "none" none. H200,
-# GPT-OSS heads (bench_ops_attention.py), fwd + bwd, flex against SDPA's mask: window 128,
-# 1.18 against 4.22 ms at 4k tokens, 1.71 against 15.93 at 8k; four packed documents,
-# 9.47 against 4.23 ms at 4k and 10.06 against 15.85 at 8k, flex's time there mostly the
-# eager create_block_mask that each call (each layer) makes for the row's documents.
-FLEX = {"enabled": True, "masks": "windows"}
-_MASK_ROUTES = ("windows", "all", "none")
+# mask by "masks": "auto" sends windows and packed documents on indices to flex (their
+# block masks are built without visiting every (query, key) pair), "all" sends explicit
+# positions too (create_block_mask, per call), "none" none. H200, GPT-OSS heads
+# (bench_ops_attention.py), fwd + bwd, flex against SDPA's mask: window 128, 1.29 against
+# 4.24 ms at 4k tokens, 1.73 against 16.01 at 8k; four packed documents, 4.41 against 4.24
+# ms at 4k and 5.80 against 16.03 at 8k (with create_block_mask per call: 9.47 and 10.06).
+FLEX = {"enabled": True, "masks": "auto"}
+_MASK_ROUTES = ("auto", "all", "none")
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, window: int | None, sinks: Tensor | None) -> None:
@@ -201,21 +206,22 @@ def _flex_supported(q_BHSD: Tensor, v_BHSD: Tensor) -> bool:
     )
 
 
-def _block_mask(
-    causal, window, batch, seq_q, seq_k, device,
-    q_positions, kv_positions, q_document_ids, kv_document_ids,
-):  # fmt: skip
-    """flex's BlockMask for :func:`visible_mask`'s rules (arguments as there)."""
+def _mask_rules(batch, seq_q, seq_k, device, q_positions, kv_positions, q_document_ids,
+                kv_document_ids):  # fmt: skip
+    """The given positions and document ids as int64 [B or 1, S] (None where not given)."""
     given = [q_positions, kv_positions, q_document_ids, kv_document_ids]
     lengths = [seq_q, seq_k, seq_q, seq_k]
-    rules = [
+    return [
         None if t is None else _positions(t, n, device) for t, n in zip(given, lengths, strict=True)
     ]
-    # One block mask for the whole batch when no rule varies by row: create_block_mask
-    # evaluates the rules over every (query, key) pair of each batch entry it is given.
-    # The kernel evaluates them again in partial blocks, for every row: hence the
-    # (stride-0) expansion of given rules to the full batch. Missing positions are indices.
-    mask_batch = max([t.shape[0] for t in rules if t is not None], default=1)
+
+
+def _mask_mod(causal, window, batch, rules):
+    """flex's mask_mod for :func:`visible_mask`'s rules (``rules`` from :func:`_mask_rules`).
+
+    The kernel evaluates it in partial blocks for every row of the batch: hence the
+    (stride-0) expansion of the given rules to the full batch. Missing positions are indices.
+    """
     q_pos, kv_pos, q_doc, kv_doc = (
         None if t is None else t.expand(batch, t.shape[1]) for t in rules
     )
@@ -231,7 +237,75 @@ def _block_mask(
             seen = seen & (q_doc[b, q_idx] == kv_doc[b, kv_idx])
         return seen
 
+    return visible
+
+
+def _block_mask(
+    causal, window, batch, seq_q, seq_k, device,
+    q_positions, kv_positions, q_document_ids, kv_document_ids,
+):  # fmt: skip
+    """flex's BlockMask for :func:`visible_mask`'s rules (arguments as there), from
+    ``create_block_mask``, which evaluates the rules over every (query, key) pair."""
+    rules = _mask_rules(batch, seq_q, seq_k, device, q_positions, kv_positions,
+                        q_document_ids, kv_document_ids)  # fmt: skip
+    # One block mask for the whole batch when no rule varies by row.
+    mask_batch = max([t.shape[0] for t in rules if t is not None], default=1)
+    visible = _mask_mod(causal, window, batch, rules)
     return create_block_mask(visible, mask_batch, None, seq_q, seq_k, device=device)
+
+
+_FLEX_BLOCK = 128  # flex_attention's default block size, both dims
+
+
+def _block_ranges(ids_BS: Tensor, length: int) -> tuple[Tensor, Tensor]:
+    """Smallest and largest id in each 128-token block: two int64 [B, ceil(S/128)]."""
+    num_blocks = -(-length // _FLEX_BLOCK)
+    pad = num_blocks * _FLEX_BLOCK - length  # the last id repeated: the ranges stay exact
+    padded = torch.cat([ids_BS, ids_BS[:, -1:].expand(-1, pad)], dim=1)
+    blocks = padded.view(ids_BS.shape[0], num_blocks, _FLEX_BLOCK)
+    return blocks.amin(-1), blocks.amax(-1)
+
+
+def _document_block_mask(causal, window, batch, seq_q, seq_k, device,
+                         q_document_ids, kv_document_ids):  # fmt: skip
+    """The BlockMask of causal / window rules on indices plus documents, classified per
+    (query block, key block) from the blocks' document ranges and index distances: O(B ·
+    Sq/128 · Sk/128) work, where ``create_block_mask`` evaluates every (query, key) pair
+    (per call, so per layer). Equal to its mask (a test compares them); blocks at a
+    sequence end are always partial, so the kernel's own bound checks apply there."""
+    rules = _mask_rules(batch, seq_q, seq_k, device, None, None, q_document_ids,
+                        kv_document_ids)  # fmt: skip
+    q_doc, kv_doc = rules[2], rules[3]
+    q_low, q_high = _block_ranges(q_doc, seq_q)  # [Bq, QB]
+    kv_low, kv_high = _block_ranges(kv_doc, seq_k)  # [Bk, KB]
+    # Some key shares a query's document only if the blocks' id ranges overlap; all do
+    # only if both blocks hold one and the same document.
+    some = (q_low[:, :, None] <= kv_high[:, None, :]) & (kv_low[:, None, :] <= q_high[:, :, None])
+    one_q, one_kv = q_low == q_high, kv_low == kv_high
+    every = one_q[:, :, None] & one_kv[:, None, :] & (q_low[:, :, None] == kv_low[:, None, :])
+    # Index distances q - k over a block pair run from first_q - last_k to last_q - first_k.
+    q_first = torch.arange(0, seq_q, _FLEX_BLOCK, device=device)
+    kv_first = torch.arange(0, seq_k, _FLEX_BLOCK, device=device)
+    q_last = (q_first + _FLEX_BLOCK - 1).clamp(max=seq_q - 1)
+    kv_last = (kv_first + _FLEX_BLOCK - 1).clamp(max=seq_k - 1)
+    low = q_first[:, None] - kv_last[None, :]  # [QB, KB]
+    high = q_last[:, None] - kv_first[None, :]
+    if causal:
+        some, every = some & (high >= 0), every & (low >= 0)
+    if window is not None:
+        some, every = some & (low < window), every & (high < window)
+    whole = (q_last - q_first == _FLEX_BLOCK - 1)[:, None] & (kv_last - kv_first == _FLEX_BLOCK - 1)
+    full = every & whole
+    partial = some & ~full
+
+    def indices(blocks):  # [B, QB, KB] bool -> counts [B, 1, QB], listed blocks first
+        order = torch.argsort((~blocks).to(torch.int8), dim=-1, stable=True)
+        return blocks.sum(-1, dtype=torch.int32)[:, None], order.to(torch.int32)[:, None]
+
+    return BlockMask.from_kv_blocks(
+        *indices(partial), *indices(full), BLOCK_SIZE=_FLEX_BLOCK,
+        mask_mod=_mask_mod(causal, window, batch, rules), seq_lengths=(seq_q, seq_k),
+    )  # fmt: skip
 
 
 @lru_cache(maxsize=16)
@@ -272,6 +346,10 @@ def _flex_attention_lse(
             block_mask = _index_block_mask(
                 causal, window, seq_q, seq_k, device, torch.is_inference_mode_enabled()
             )
+    elif q_positions is None and kv_positions is None:
+        block_mask = _document_block_mask(
+            causal, window, batch, seq_q, seq_k, device, q_document_ids, kv_document_ids
+        )
     else:
         block_mask = _block_mask(
             causal, window, batch, seq_q, seq_k, device,
@@ -341,8 +419,7 @@ def attention(
         return attention_reference(q_BHSD, k_BHSD, v_BHSD, return_lse=return_lse, **kwargs)
     if FLEX["masks"] not in _MASK_ROUTES:
         raise ValueError(f"FLEX['masks'] ({FLEX['masks']!r}) must be one of {_MASK_ROUTES}")
-    windowed = indexed and q_document_ids is None and window is not None
-    masked_flex = FLEX["masks"] == "all" or (FLEX["masks"] == "windows" and windowed)
+    masked_flex = FLEX["masks"] == "all" or (FLEX["masks"] == "auto" and indexed)
     if needs_lse or (flex and not plain and masked_flex):
         del kwargs["sinks"]
         out, lse = _with_sinks(*_flex_attention_lse(q_BHSD, k_BHSD, v_BHSD, **kwargs), sinks)
