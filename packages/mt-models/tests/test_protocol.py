@@ -77,3 +77,24 @@ def test_router_weights_sum_to_one_with_norm_topk_prob(build_debug_model):
     sums_T = routed.topk_weights_TK.sum(-1)
     torch.testing.assert_close(sums_T, torch.ones_like(sums_T))
     assert routed.topk_weights_TK.dtype == torch.float32
+
+
+def test_local_dispatcher_runs_experts_from_tokens_when_they_offer_it(build_debug_model):
+    from mt_ops import convert_to_fp8
+
+    model = build_debug_model()
+    layer = model.model.layers[0]
+    convert_to_fp8(model)  # FP8 experts: forward_tokens fuses permute and unpermute on GPU
+    routed = layer.attend(_input(128, seed=3))
+    tokens_RD, tokens_per_expert_E, handle = layer.dispatcher.dispatch(routed)
+    phases = layer.dispatcher.combine(layer.experts(tokens_RD, tokens_per_expert_E), handle)
+    calls = []
+    experts = layer.mlp.experts
+    forward_tokens = experts.forward_tokens
+    experts.forward_tokens = lambda *args: calls.append(len(args)) or forward_tokens(*args)
+    assert torch.equal(layer.dispatcher.run_experts(routed, experts), phases)
+    assert calls == [3]
+    plain = torch.nn.Module()  # experts without forward_tokens (GPT-OSS) take the phases
+    plain.forward = experts.forward
+    assert torch.equal(layer.dispatcher.run_experts(routed, plain), phases)
+    assert calls == [3]

@@ -2,12 +2,16 @@
 
 Legend: T tokens, D model dim, E experts, K top-k, R routed rows (R = T·K).
 
-mt-parallel replaces it with an expert-parallel dispatcher of the same two methods.
+mt-parallel replaces it with an expert-parallel dispatcher of the same two methods. A layer
+that runs its phases back to back calls :meth:`LocalDispatcher.run_experts` instead, which
+hands experts with a ``forward_tokens`` method (:class:`~mt_models.layers.experts.
+SwiGLUExperts`) the tokens and the plan, so FP8 experts can fuse permute and unpermute
+into their quantization passes (``mt_ops.grouped_swiglu_moe``).
 """
 
 from dataclasses import dataclass
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from mt_models.protocol import Routed
 from mt_ops import DispatchPlan, permute, plan_dispatch, unpermute
@@ -69,3 +73,24 @@ class LocalDispatcher:
             ``out_TD`` [T, D].
         """
         return unpermute(expert_out_RD, handle.plan, handle.topk_weights_TK)
+
+    def run_experts(self, routed: Routed, experts: nn.Module) -> Tensor:
+        """dispatch → experts → combine in one call, as ``experts.forward_tokens`` when the
+        experts module has it (the permute and unpermute become its business).
+
+        Args:
+            routed: The output of ``attend`` of an MoE layer.
+            experts: The layer's experts module (called as ``experts(tokens_RD, counts_E)``).
+
+        Returns:
+            ``out_TD`` [T, D], as ``combine(experts(*dispatch(routed)[:2]), handle)``.
+        """
+        forward_tokens = getattr(experts, "forward_tokens", None)
+        if forward_tokens is None:
+            tokens_RD, tokens_per_expert_E, handle = self.dispatch(routed)
+            return self.combine(experts(tokens_RD, tokens_per_expert_E), handle)
+        assert routed.topk_ids_TK is not None and routed.topk_weights_TK is not None, (
+            "run_experts needs an MoE layer's Routed (topk_ids_TK and topk_weights_TK set)"
+        )
+        plan = plan_dispatch(routed.topk_ids_TK, self.num_experts)
+        return forward_tokens(routed.hidden_TD, plan, routed.topk_weights_TK)

@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 
 from mt_models.layers.experts import GroupedExperts
 from mt_parallel.mesh import ParallelMesh
@@ -43,6 +48,8 @@ def apply_fsdp(
                 module, mesh=mesh.expert, mp_policy=policy,
                 reshard_after_forward=reshard_after_forward,
             )
+            if hasattr(module, "forward_tokens"):  # the local dispatcher's fused entry
+                register_fsdp_forward_method(module, "forward_tokens")
     for layer in _decoder_layers(model):
         fully_shard(
             layer, mesh=mesh.dense, mp_policy=policy, reshard_after_forward=reshard_after_forward

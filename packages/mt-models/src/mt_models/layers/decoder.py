@@ -118,7 +118,10 @@ class DecoderLayer(nn.Module):
             expert_out_TD = self.experts(routed.hidden_TD, None)
         else:
             assert self.dispatcher is not None, "an MoE layer needs a dispatcher"
-            tokens_RD, tokens_per_expert_E, handle = self.dispatcher.dispatch(routed)
-            expert_out_RD = self.experts(tokens_RD, tokens_per_expert_E)
-            expert_out_TD = self.dispatcher.combine(expert_out_RD, handle)
+            if isinstance(self.dispatcher, LocalDispatcher):  # may fuse the three phases
+                expert_out_TD = self.dispatcher.run_experts(routed, self.mlp.experts)
+            else:
+                tokens_RD, tokens_per_expert_E, handle = self.dispatcher.dispatch(routed)
+                expert_out_RD = self.experts(tokens_RD, tokens_per_expert_E)
+                expert_out_TD = self.dispatcher.combine(expert_out_RD, handle)
         return LayerOutput(self.aggregate(expert_out_TD, routed), routed.router_stats)
