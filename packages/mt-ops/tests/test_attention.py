@@ -327,9 +327,14 @@ def test_gpu_masks_without_sinks_match_reference_through_flex_and_sdpa(monkeypat
     docs = torch.repeat_interleave(torch.arange(4), torch.tensor([130, 256, 5, 309])).cuda()
     q, k, v = (t.cuda() for t in _qkv((1, 8, 2, 700, 64), torch.bfloat16, seed=6))
     options = {"q_document_ids": docs, "kv_document_ids": docs}
-    got = attention(q, k, v, **options)
-    expected = attention_reference(q, k, v, **options)
-    assert float((got.float() - expected).norm() / expected.norm()) <= 1e-2
+    results = []
+    for run in (attention, attention_reference):
+        inputs = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = run(*inputs, **options)
+        (out.float() * torch.linspace(-1, 1, 64, device="cuda")).sum().backward()
+        results.append([out.float(), *(t.grad.float() for t in inputs)])
+    for got, expected in zip(*results, strict=True):
+        assert float((got - expected).norm() / expected.norm()) <= 1e-2
 
 
 def test_unknown_mask_route_is_refused(monkeypatch):
@@ -341,21 +346,53 @@ def test_unknown_mask_route_is_refused(monkeypatch):
         attention(q, k, v, window=3)
 
 
-@pytest.mark.parametrize("window", [None, 300])
-def test_document_block_mask_lists_the_blocks_create_block_mask_finds(window):
+def _blocks(num_BHQ, indices_BHQK):
+    """Dense [B, H, QB, KB] bool of the listed blocks of a BlockMask's (num, indices)."""
+    listed = torch.arange(indices_BHQK.shape[-1]) < num_BHQ[..., None]
+    dense = torch.zeros(indices_BHQK.shape, dtype=torch.bool)
+    return dense.scatter(-1, indices_BHQK.long(), listed)
+
+
+def _rows(*lengths):
+    """Document ids [B, S] of packed rows, one list of document lengths per row."""
+    return torch.stack([torch.repeat_interleave(torch.arange(len(n)), torch.tensor(n))
+                        for n in lengths])  # fmt: skip
+
+
+DOCUMENT_MASK_CASES = {
+    # causal, window, q ids, kv ids (None: the q ids); 700 tokens = 6 blocks, the last short.
+    "packed rows, causal": (True, None, _rows([130, 256, 5, 309], [700]), None),
+    "packed rows, window 300": (True, 300, _rows([130, 256, 5, 309], [700]), None),
+    "packed rows, window only": (False, 300, _rows([400, 300]), None),
+    "non-causal, fewer keys": (False, None, _rows([300, 400]), _rows([100, 150, 50])),
+    "non-monotonic ids": (True, None, torch.tensor([[0, 2] * 64 + [1] * 128 + [0] * 444]), None),
+}
+
+
+@pytest.mark.parametrize("name", list(DOCUMENT_MASK_CASES))
+def test_document_block_mask_has_create_block_masks_full_blocks_and_is_exact(name):
     from mt_ops.attention import _block_mask, _document_block_mask, _flex_attention_lse
 
-    lengths = ([130, 256, 5, 309], [700])  # two packed rows of 700 tokens (6 blocks)
-    docs = torch.stack([torch.repeat_interleave(torch.arange(len(n)), torch.tensor(n))
-                        for n in lengths])  # fmt: skip
-    args = (True, window, 2, 700, 700, torch.device("cpu"))
-    ours = _document_block_mask(*args, docs, docs)
-    theirs = _block_mask(*args, None, None, docs, docs)
-    assert torch.equal(ours.to_dense(), theirs.to_dense())  # the same non-empty blocks
-    assert int(ours.full_kv_num_blocks.sum()) > 0  # whole blocks inside one document
-    q, k, v = _qkv((2, 2, 1, 700, 16), torch.float32, seed=9)
-    options = {**flex_options({"window": window}), "q_document_ids": docs,
-               "kv_document_ids": docs}  # fmt: skip
+    causal, window, q_docs, kv_docs = DOCUMENT_MASK_CASES[name]
+    self_attention = kv_docs is None
+    kv_docs = q_docs if self_attention else kv_docs
+    batch, seq_q, seq_k = max(q_docs.shape[0], kv_docs.shape[0]), q_docs.shape[1], kv_docs.shape[1]
+    args = (causal, window, batch, seq_q, seq_k, torch.device("cpu"))
+    ours = _document_block_mask(*args, q_docs, kv_docs)
+    theirs = _block_mask(*args, None, None, q_docs, kv_docs)
+    ours_full = _blocks(ours.full_kv_num_blocks, ours.full_kv_indices)
+    theirs_full = _blocks(theirs.full_kv_num_blocks, theirs.full_kv_indices)
+    assert torch.equal(ours_full, theirs_full)  # the kernel skips the rules only there
+    ours_some = _blocks(ours.kv_num_blocks, ours.kv_indices) | ours_full
+    theirs_some = _blocks(theirs.kv_num_blocks, theirs.kv_indices) | theirs_full
+    assert torch.all(ours_some >= theirs_some)  # no visible block left out
+    if self_attention and name.startswith("packed"):  # sorted self-attention: exact
+        assert torch.equal(ours_some, theirs_some)
+        assert int(ours.full_kv_num_blocks.sum()) > 0
+    q, k, v = _qkv((batch, 2, 1, max(seq_q, seq_k), 16), torch.float32, seed=9)
+    q, k, v = q[:, :, :seq_q], k[:, :, :seq_k], v[:, :, :seq_k]
+    options = {**flex_options({"window": window}), "causal": causal,
+               "q_document_ids": q_docs, "kv_document_ids": kv_docs}  # fmt: skip
     out, lse = _flex_attention_lse(q, k, v, compiled=False, **options)
     ref, ref_lse = attention_reference(q, k, v, return_lse=True, **options)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

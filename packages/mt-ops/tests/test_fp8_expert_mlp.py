@@ -223,16 +223,36 @@ def test_gpu_fused_moe_block_equals_permute_mlp_unpermute_bit_for_bit():
     names = ["out", "x grad", "weights grad", "gate grad", "up grad", "down grad"]
     for name, g, w in zip(names, got, want, strict=True):
         assert torch.equal(g, w), (name, _relative(g, w))
+    # fp32 tokens under autocast (one-GPU training): the gradient comes back in fp32.
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got = _run_moe(
+            fp8_moe_swiglu_experts, x.float(), plan, weights, grad,
+            _projections(8, 2048, 768, "cuda", FP8WeightCache(), "triton"),
+        )  # fmt: skip
+        want = _run_moe(
+            _composed_moe, x.float(), plan, weights, grad,
+            _projections(8, 2048, 768, "cuda", FP8WeightCache(), "triton"),
+        )  # fmt: skip
+    assert got[1].dtype == torch.float32
+    for name, g, w in zip(names, got, want, strict=True):
+        assert torch.equal(g, w), ("autocast", name, _relative(g, w))
 
 
-def test_grouped_swiglu_moe_fuses_only_bias_free_fp8_projections_and_checks_shapes():
+def test_grouped_swiglu_moe_fuses_only_bias_free_fp8_projections_and_checks_shapes(
+    monkeypatch,
+):
+    import mt_ops.fp8_expert_mlp as fused_module
     from mt_ops import grouped_swiglu_moe, permute, swiglu, unpermute
     from mt_ops.fp8_expert_mlp import fp8_moe_swiglu_experts
 
     plan, x, weights, _ = _moe_inputs(40, 2, 3, 128)
     fp8 = _projections(3, 128, 256)
+    fused_calls = []
+    monkeypatch.setattr(fused_module, "fp8_moe_swiglu_experts",
+                        lambda *args: fused_calls.append(args) or fp8_moe_swiglu_experts(*args))
     got = grouped_swiglu_moe(x, plan, weights, *fp8)
-    assert torch.equal(got, _composed_moe(x, plan, weights, *fp8))  # the CPU path composes
+    assert len(fused_calls) == 1  # bias-free FP8 projections take the fused op
+    assert torch.equal(got, _composed_moe(x, plan, weights, *fp8))  # which composes on CPU
     plain = [GroupedLinear(3, 128, 256), GroupedLinear(3, 128, 256), GroupedLinear(3, 256, 128)]
     for module in plain:
         nn.init.normal_(module.weight, std=0.05)
@@ -241,5 +261,6 @@ def test_grouped_swiglu_moe_fuses_only_bias_free_fp8_projections_and_checks_shap
     composed = plain[2](swiglu(plain[0](rows, counts), plain[1](rows, counts)), counts)
     assert torch.equal(grouped_swiglu_moe(x, plan, weights, *plain),
                        unpermute(composed, plan, weights))  # fmt: skip
+    assert len(fused_calls) == 1  # BF16 modules: composed
     with pytest.raises(ValueError, match=r"x shape \(\(39, 128\)\).*T = 40, K = 2"):
         fp8_moe_swiglu_experts(x[:39], plan, weights[:39], *fp8)

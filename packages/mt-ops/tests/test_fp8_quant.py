@@ -136,6 +136,8 @@ def test_dual_quantization_rejects_bad_row_options():
         quantize_1x128_dual(x, source_rows=torch.zeros(3))
     with pytest.raises(ValueError, match=r"row_weights shape \(\(2,\)\).*\[3\]"):
         quantize_1x128_dual(x, source_rows=torch.tensor([0, 1, 1]), row_weights=torch.ones(2))
+    with pytest.raises(ValueError, match="need the dual kernel"):
+        _launch_1x128_kernel_for_test(x, rows_only=True, source_rows=torch.tensor([0, 1]))
 
 
 @pytest.mark.parametrize("scale_format", FORMATS)

@@ -12,7 +12,12 @@ from dataclasses import replace
 import pytest
 
 from mt_models import deepseek_v2, gpt_oss, qwen3_moe
-from mt_parallel.testing import check_dispatch_with_idle_rank, check_many, spawn
+from mt_parallel.testing import (
+    check_dispatch_with_idle_rank,
+    check_fsdp_fused_experts_keep_router_weights,
+    check_many,
+    spawn,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -68,3 +73,7 @@ def test_layouts_of_four_ranks_match_one_process():
 
 def test_expert_parallel_dispatch_works_when_a_rank_receives_no_tokens():
     spawn(check_dispatch_with_idle_rank, 2)
+
+
+def test_fsdp_fused_experts_get_bf16_tokens_and_fp32_router_weights():
+    spawn(check_fsdp_fused_experts_keep_router_weights, 1, _qwen3())

@@ -3,7 +3,7 @@ layer protocol (attend, dispatch, experts, combine, aggregate). No distributed c
 
 from mt_models.base import CausalLM, LossOutput
 from mt_models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
-from mt_models.dispatch import LocalDispatcher
+from mt_models.dispatch import LocalDispatcher, LocalRoute
 from mt_models.gpt_oss import GptOssConfig, GptOssForCausalLM
 from mt_models.hf_io import load_hf, save_hf, save_hf_tensors
 from mt_models.layers.attention import AttentionCore, LocalAttention
@@ -23,6 +23,7 @@ __all__ = [
     "LayerOutput",
     "LocalAttention",
     "LocalDispatcher",
+    "LocalRoute",
     "LossOutput",
     "MoEDecoderLayer",
     "Qwen3MoeConfig",

@@ -17,6 +17,26 @@ from mt_models.protocol import Routed
 from mt_ops import DispatchPlan, permute, plan_dispatch, unpermute
 
 
+class LocalRoute:
+    """The plan and router weights that :meth:`LocalDispatcher.run_experts` hands to
+    ``experts.forward_tokens``.
+
+    A plain object on purpose: FSDP2 casts the floating-point tensors it finds in a
+    registered method's arguments (inside tuples, dicts and dataclasses too) to its
+    ``param_dtype``; the fp32 router weights must stay fp32, as in :meth:`combine`.
+
+    Attributes:
+        plan: The routing plan over the experts module's experts.
+        topk_weights_TK: Router weights of each token's choices [T, K].
+    """
+
+    __slots__ = ("plan", "topk_weights_TK")
+
+    def __init__(self, plan: DispatchPlan, topk_weights_TK: Tensor):
+        self.plan = plan
+        self.topk_weights_TK = topk_weights_TK
+
+
 @dataclass(frozen=True)
 class LocalDispatchHandle:
     """What :meth:`LocalDispatcher.combine` needs to bring rows back to tokens.
@@ -93,4 +113,4 @@ class LocalDispatcher:
             "run_experts needs an MoE layer's Routed (topk_ids_TK and topk_weights_TK set)"
         )
         plan = plan_dispatch(routed.topk_ids_TK, self.num_experts)
-        return forward_tokens(routed.hidden_TD, plan, routed.topk_weights_TK)
+        return forward_tokens(routed.hidden_TD, LocalRoute(plan, routed.topk_weights_TK))

@@ -10,9 +10,9 @@ boolean mask for explicit positions. Sinks (GPT-OSS) and LSE requests need the
 log-sum-exp, which SDPA does not return: on CUDA they run compiled ``flex_attention`` (a
 fused Triton kernel that returns the LSE and takes its gradient) with a block mask built
 from the same rules, then :func:`apply_sinks`; so do sliding windows and packed documents
-on CUDA, where flex skips the blocks that no query sees (see ``FLEX``). On CPU, and for
-head dims flex does not compile (not a power of two from 16 to 256), sinks and LSE requests
-run the reference and masks SDPA.
+on indices (no explicit positions) on CUDA, where flex skips the blocks that no query sees
+(see ``FLEX``). On CPU, and for head dims flex does not compile (not a power of two from 16
+to 256), sinks and LSE requests run the reference and masks SDPA.
 
 Conventions:
 
@@ -56,6 +56,8 @@ __all__ = ["apply_sinks", "attention", "attention_reference"]
 # (bench_ops_attention.py), fwd + bwd, flex against SDPA's mask: window 128, 1.29 against
 # 4.24 ms at 4k tokens, 1.73 against 16.01 at 8k; four packed documents, 4.41 against 4.24
 # ms at 4k and 5.80 against 16.03 at 8k (with create_block_mask per call: 9.47 and 10.06).
+# So documents cost 4% more at 4k and gain from there on, where SDPA's [Sq, Sk] mask (kept
+# for the backward, per layer) also grows with S².
 FLEX = {"enabled": True, "masks": "auto"}
 _MASK_ROUTES = ("auto", "all", "none")
 
@@ -271,8 +273,10 @@ def _document_block_mask(causal, window, batch, seq_q, seq_k, device,
     """The BlockMask of causal / window rules on indices plus documents, classified per
     (query block, key block) from the blocks' document ranges and index distances: O(B ·
     Sq/128 · Sk/128) work, where ``create_block_mask`` evaluates every (query, key) pair
-    (per call, so per layer). Equal to its mask (a test compares them); blocks at a
-    sequence end are always partial, so the kernel's own bound checks apply there."""
+    (per call, so per layer). Its full blocks (where the kernel skips the rules) equal
+    create_block_mask's; its partial blocks are a superset, equal for self-attention with
+    non-decreasing ids (packed rows, as ``document_ids`` numbers them), more where blocks'
+    id ranges overlap without a shared id. Blocks at a sequence end are always partial."""
     rules = _mask_rules(batch, seq_q, seq_k, device, None, None, q_document_ids,
                         kv_document_ids)  # fmt: skip
     q_doc, kv_doc = rules[2], rules[3]

@@ -167,6 +167,10 @@ class _FP8MoESwiGLUFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_TD, weights_TK, w_gate, w_up, w_down, plan, projs):
+        # x's dtype, kept for its gradient (fp32 tokens under autocast: the K rows of each
+        # token are summed into fp32, as permute's backward does after the MLP's cast).
+        ctx.x_dtype = x_TD.dtype
+        x_TD = _autocast_input(x_TD).contiguous()
         tiles = row_tiles(plan.tokens_per_expert_E, plan.num_tokens * plan.topk)
         fmt = projs.down.scale_format
         x_q, x_qt = quantize_1x128_dual(
@@ -195,7 +199,7 @@ class _FP8MoESwiGLUFn(torch.autograd.Function):
         grad_x_RD, grads = _experts_backward(
             ctx, saved, dy_q, dy_qt, ctx.needs_input_grad[0], ctx.needs_input_grad[2:5]
         )
-        grad_x = None if grad_x_RD is None else _gather_sum(grad_x_RD, plan)
+        grad_x = None if grad_x_RD is None else _gather_sum(grad_x_RD, plan, out_dtype=ctx.x_dtype)
         return grad_x, grad_w, *grads, None, None
 
 
@@ -277,8 +281,8 @@ def fp8_moe_swiglu_experts(
     the quantization gathers the token rows itself and writes only the FP8 copies (as many
     bytes as the permute alone). In the backward the output gradient is gathered, weighted
     and quantized in one pass, without the routed-row gradient in BF16. The result and every
-    gradient equal the composition's on GPU bit for bit, except the input gradient's single
-    rounding as in :func:`fp8_swiglu_experts`.
+    gradient equal those of ``permute`` → :func:`fp8_swiglu_experts` → ``unpermute`` on GPU
+    bit for bit (under autocast too: fp32 tokens get an fp32 gradient summed in fp32).
 
     Args:
         x_TD: Token activations [T, D].
@@ -302,15 +306,14 @@ def fp8_moe_swiglu_experts(
             f"({tuple(topk_weights_TK.shape)}) must be [T, D] and [T, K] with T = "
             f"{plan.num_tokens}, K = {plan.topk}; pass the tokens the plan was made for"
         )
-    x_TD = _autocast_input(x_TD).contiguous()
     if not use_kernels(x_TD, topk_weights_TK) or plan.num_tokens * plan.topk == 0:
         rows_RD = permute(x_TD, plan)
         y_RD = fp8_swiglu_experts(rows_RD, plan.tokens_per_expert_E, gate_proj, up_proj, down_proj)
         return unpermute(y_RD, plan, topk_weights_TK)
     projs = _Projections(gate_proj, up_proj, down_proj)
     return _FP8MoESwiGLUFn.apply(
-        x_TD, topk_weights_TK.contiguous(), gate_proj.weight, up_proj.weight, down_proj.weight,
-        plan, projs,
+        x_TD, topk_weights_TK.contiguous(), gate_proj.weight, up_proj.weight,
+        down_proj.weight, plan, projs,
     )  # fmt: skip
 
 

@@ -333,6 +333,8 @@ def _check_2d(x: Tensor, what: str) -> None:
 
 def _launch_1x128(x_MK, tiles, rowwise, colwise, scale_format, source_rows=None,
                   row_weights=None):  # fmt: skip
+    if not colwise and (source_rows is not None or row_weights is not None):
+        raise ValueError("source_rows and row_weights need the dual kernel (colwise=True)")
     num_rows = x_MK.shape[0] if source_rows is None else source_rows.shape[0]
     num_cols = x_MK.shape[1]
     dev = x_MK.device
@@ -407,7 +409,8 @@ def quantize_1x128_dual(
         tiles: Row tiles that restart at each group (expert); None: plain 128-row tiles.
         scale_format: ``"fp32"`` or ``"e8m0"``.
         source_rows: Integer [M'], the row of x that becomes each row of the result (rows
-            may repeat); None: x's rows in order (M' = M).
+            may repeat; each in [0, M), which the GPU kernel does not check); None: x's
+            rows in order (M' = M).
         row_weights: Float [M'], a factor for each row of the result; None: 1.
 
     Returns:

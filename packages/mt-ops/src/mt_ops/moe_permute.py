@@ -115,8 +115,10 @@ def _gather_rows(src, src_row, dst_rows, weight=None, weight_idx=None):
     return dst
 
 
-def _gather_sum(y_RD, plan, weights_TK=None):
-    out = torch.empty(plan.num_tokens, y_RD.shape[1], dtype=y_RD.dtype, device=y_RD.device)
+def _gather_sum(y_RD, plan, weights_TK=None, out_dtype=None):
+    out = torch.empty(
+        plan.num_tokens, y_RD.shape[1], dtype=out_dtype or y_RD.dtype, device=y_RD.device
+    )
     launch(
         _gather_sum_kernel, (plan.num_tokens,), y_RD, plan.row_of_slot_R,
         y_RD if weights_TK is None else weights_TK, out, y_RD.shape[1], plan.topk,

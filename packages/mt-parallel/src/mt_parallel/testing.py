@@ -286,3 +286,34 @@ def check_dispatch_with_idle_rank(num_experts: int = 4, topk: int = 2, dim: int 
     assert rel_err(mine.weight.grad, expected) <= 1e-6 or expected.norm() == 0
     if rank > 0:
         assert mine.weight.grad.norm() == 0, "an idle rank's experts must get zero gradient"
+
+
+def check_fsdp_fused_experts_keep_router_weights(model_config: Any) -> None:
+    """Under FSDP2 with bf16 compute, the local dispatcher's fused path (experts'
+    ``forward_tokens``, registered with FSDP) gets the tokens in bf16 and the router
+    weights as the router made them, and equals the dispatch → experts → combine phases
+    (a `spawn` target)."""
+    dims = ParallelDims(world_size=dist.get_world_size(), dp=dist.get_world_size())
+    with torch.device("meta"):
+        model = build_model(model_config)
+    parallelize(model, dims, "cpu", seed=0, param_dtype=torch.bfloat16)
+    layer = next(m for m in model.model.layers if m.dispatcher is not None)
+    experts = layer.mlp.experts
+    seen = []
+    original = experts.forward_tokens
+
+    def spy(hidden_TD, route):
+        seen.append((hidden_TD.dtype, route.topk_weights_TK.dtype))
+        return original(hidden_TD, route)
+
+    experts.forward_tokens = spy
+    x = torch.randn(2, 8, model_config.hidden_size, generator=torch.Generator().manual_seed(0))
+    layer.unshard()  # the phases run outside the layer's forward (and its FSDP hooks)
+    routed = layer.attend(x.bfloat16())
+    weights_dtype = routed.topk_weights_TK.dtype
+    fused = layer.dispatcher.run_experts(routed, experts)
+    rows, counts, handle = layer.dispatcher.dispatch(routed)
+    phases = layer.dispatcher.combine(experts(rows, counts), handle)
+    assert seen == [(torch.bfloat16, weights_dtype)], (seen, weights_dtype)
+    assert weights_dtype == torch.float32, "the router's weights are fp32"
+    assert torch.equal(fused, phases), rel_err(fused.float(), phases.float())

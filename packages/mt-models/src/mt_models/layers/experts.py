@@ -11,9 +11,9 @@ gives each rank a slice). Canonical names split each GroupedLinear per global ex
 
 from torch import Tensor, nn
 
+from mt_models.dispatch import LocalRoute
 from mt_models.layers.router import TopKRouter
 from mt_ops import (
-    DispatchPlan,
     GroupedLinear,
     clamped_swiglu_fused,
     grouped_swiglu_mlp,
@@ -72,23 +72,21 @@ class SwiGLUExperts(GroupedExperts):
             tokens_RD, tokens_per_expert_E, self.gate_proj, self.up_proj, self.down_proj
         )  # [R, D]
 
-    def forward_tokens(
-        self, hidden_TD: Tensor, plan: DispatchPlan, topk_weights_TK: Tensor
-    ) -> Tensor:
+    def forward_tokens(self, hidden_TD: Tensor, route: LocalRoute) -> Tensor:
         """permute → experts → weighted unpermute from the tokens (the local dispatcher's
         fused path); FP8 experts fold the permute and unpermute into their quantization.
 
         Args:
             hidden_TD: Token activations [T, D].
-            plan: The dispatch plan over this module's experts.
-            topk_weights_TK: Router weight of each token's choices [T, K].
+            route: The dispatch plan over this module's experts and the router weights.
 
         Returns:
             The weighted sum of each token's expert outputs [T, D].
         """
         return grouped_swiglu_moe(
-            hidden_TD, plan, topk_weights_TK, self.gate_proj, self.up_proj, self.down_proj
-        )  # [T, D]
+            hidden_TD, route.plan, route.topk_weights_TK,
+            self.gate_proj, self.up_proj, self.down_proj,
+        )  # fmt: skip  # [T, D]
 
 
 class ClampedSwiGLUExperts(GroupedExperts):
