@@ -248,8 +248,11 @@ def test_grouped_swiglu_moe_fuses_only_bias_free_fp8_projections_and_checks_shap
     plan, x, weights, _ = _moe_inputs(40, 2, 3, 128)
     fp8 = _projections(3, 128, 256)
     fused_calls = []
-    monkeypatch.setattr(fused_module, "fp8_moe_swiglu_experts",
-                        lambda *args: fused_calls.append(args) or fp8_moe_swiglu_experts(*args))
+    monkeypatch.setattr(
+        fused_module,
+        "fp8_moe_swiglu_experts",
+        lambda *args: fused_calls.append(args) or fp8_moe_swiglu_experts(*args),
+    )
     got = grouped_swiglu_moe(x, plan, weights, *fp8)
     assert len(fused_calls) == 1  # bias-free FP8 projections take the fused op
     assert torch.equal(got, _composed_moe(x, plan, weights, *fp8))  # which composes on CPU
