@@ -364,9 +364,6 @@ def expert_mlp(name: str, num_tokens: int, skewed: bool) -> None:
     counts = counts_for(rows, num_experts, skewed)
     flops = 3 * 3 * 2 * rows * dim * hidden  # 3 GEMMs, each fwd + dgrad + wgrad
 
-    def build(fp8: bool, cache=None, master=False):
-        return _experts(name, fp8, cache, master)
-
     x = torch.randn(rows, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(rows, dim, device="cuda", dtype=torch.bfloat16)
 
@@ -388,10 +385,10 @@ def expert_mlp(name: str, num_tokens: int, skewed: bool) -> None:
     # Parameters in BF16 on both sides, as FSDP2 mixed precision presents the unsharded
     # weights to the experts (gradients in BF16 too); "fp32 master" keeps FP32 parameters
     # in the FP8 modules (one-process training), whose gradients are FP32.
-    bf16 = build(False)
+    bf16 = _experts(name, False)
     cache = FP8WeightCache()
-    fp8 = build(True, cache)
-    fp8_master = build(True, FP8WeightCache(), master=True)
+    fp8 = _experts(name, True, cache)
+    fp8_master = _experts(name, True, FP8WeightCache(), master=True)
     ms_bf16 = bench_ms(lambda: step(bf16))
     ms_fp8 = bench_ms(lambda: step(fp8))  # weights quantized once (warm cache)
     ms_fused = bench_ms(lambda: fused_step(fp8))

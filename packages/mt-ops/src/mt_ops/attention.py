@@ -208,7 +208,7 @@ def _flex_supported(q_BHSD: Tensor, v_BHSD: Tensor) -> bool:
     )
 
 
-def _mask_rules(batch, seq_q, seq_k, device, q_positions, kv_positions, q_document_ids,
+def _mask_rules(seq_q, seq_k, device, q_positions, kv_positions, q_document_ids,
                 kv_document_ids):  # fmt: skip
     """The given positions and document ids as int64 [B or 1, S] (None where not given)."""
     given = [q_positions, kv_positions, q_document_ids, kv_document_ids]
@@ -248,8 +248,8 @@ def _block_mask(
 ):  # fmt: skip
     """flex's BlockMask for :func:`visible_mask`'s rules (arguments as there), from
     ``create_block_mask``, which evaluates the rules over every (query, key) pair."""
-    rules = _mask_rules(batch, seq_q, seq_k, device, q_positions, kv_positions,
-                        q_document_ids, kv_document_ids)  # fmt: skip
+    rules = _mask_rules(seq_q, seq_k, device, q_positions, kv_positions, q_document_ids,
+                        kv_document_ids)  # fmt: skip
     # One block mask for the whole batch when no rule varies by row.
     mask_batch = max([t.shape[0] for t in rules if t is not None], default=1)
     visible = _mask_mod(causal, window, batch, rules)
@@ -277,8 +277,7 @@ def _document_block_mask(causal, window, batch, seq_q, seq_k, device,
     create_block_mask's; its partial blocks are a superset, equal for self-attention with
     non-decreasing ids (packed rows, as ``document_ids`` numbers them), more where blocks'
     id ranges overlap without a shared id. Blocks at a sequence end are always partial."""
-    rules = _mask_rules(batch, seq_q, seq_k, device, None, None, q_document_ids,
-                        kv_document_ids)  # fmt: skip
+    rules = _mask_rules(seq_q, seq_k, device, None, None, q_document_ids, kv_document_ids)
     q_doc, kv_doc = rules[2], rules[3]
     q_low, q_high = _block_ranges(q_doc, seq_q)  # [Bq, QB]
     kv_low, kv_high = _block_ranges(kv_doc, seq_k)  # [Bk, KB]

@@ -106,10 +106,9 @@ def _experts_forward(ctx, x_q, x_qt, tiles: RowTiles, projs: _Projections, dtype
     return y_RD, saved
 
 
-def _experts_backward(ctx, saved, dy_q, dy_qt, needs_input_grad: bool, needs_weight_grads):
+def _experts_backward(ctx, saved, tiles, dy_q, dy_qt, needs_input_grad, needs_weight_grads):
     """The MLP's backward from the quantized output gradient: ``(grad_x_RD, [dW...])``."""
-    gate_RF, up_RF, x_data, x_scale, h_data, h_scale, *tile_fields = saved
-    tiles = RowTiles(*tile_fields, ctx.num_rows)
+    gate_RF, up_RF, x_data, x_scale, h_data, h_scale = saved[:6]
     qgate, qup, qdown = ctx.qweights
     fmt, backend = ctx.projs.down.scale_format, ctx.projs.down.backend
     x_qt, h_qt = Fp8Quantized(x_data, x_scale), Fp8Quantized(h_data, h_scale)
@@ -156,7 +155,7 @@ class _FP8SwiGLUExpertsFn(torch.autograd.Function):
         fmt = ctx.projs.down.scale_format
         dy_q, dy_qt = quantize_1x128_dual(dy_RD.contiguous(), tiles=tiles, scale_format=fmt)
         grad_x, grads = _experts_backward(
-            ctx, saved, dy_q, dy_qt, ctx.needs_input_grad[0], ctx.needs_input_grad[1:4]
+            ctx, saved, tiles, dy_q, dy_qt, ctx.needs_input_grad[0], ctx.needs_input_grad[1:4]
         )
         return grad_x, *grads, None, None
 
@@ -197,7 +196,7 @@ class _FP8MoESwiGLUFn(torch.autograd.Function):
             grad_w = _unpermute_backward(dout_TD, y_RD, plan, weights_TK, grad_y=False)[1]
         del y_RD
         grad_x_RD, grads = _experts_backward(
-            ctx, saved, dy_q, dy_qt, ctx.needs_input_grad[0], ctx.needs_input_grad[2:5]
+            ctx, saved, tiles, dy_q, dy_qt, ctx.needs_input_grad[0], ctx.needs_input_grad[2:5]
         )
         grad_x = None if grad_x_RD is None else _gather_sum(grad_x_RD, plan, out_dtype=ctx.x_dtype)
         return grad_x, grad_w, *grads, None, None
@@ -307,14 +306,18 @@ def fp8_moe_swiglu_experts(
             f"{plan.num_tokens}, K = {plan.topk}; pass the tokens the plan was made for"
         )
     if not use_kernels(x_TD, topk_weights_TK) or plan.num_tokens * plan.topk == 0:
-        rows_RD = permute(x_TD, plan)
-        y_RD = fp8_swiglu_experts(rows_RD, plan.tokens_per_expert_E, gate_proj, up_proj, down_proj)
-        return unpermute(y_RD, plan, topk_weights_TK)
+        return _composed_moe(x_TD, plan, topk_weights_TK, (gate_proj, up_proj, down_proj))
     projs = _Projections(gate_proj, up_proj, down_proj)
     return _FP8MoESwiGLUFn.apply(
         x_TD, topk_weights_TK.contiguous(), gate_proj.weight, up_proj.weight,
         down_proj.weight, plan, projs,
     )  # fmt: skip
+
+
+def _composed_moe(x_TD, plan, topk_weights_TK, projections) -> Tensor:
+    """permute → :func:`grouped_swiglu_mlp` (fused for FP8 projections) → unpermute."""
+    y_RD = grouped_swiglu_mlp(permute(x_TD, plan), plan.tokens_per_expert_E, *projections)
+    return unpermute(y_RD, plan, topk_weights_TK)
 
 
 def _fusable(projections) -> bool:
@@ -351,9 +354,7 @@ def grouped_swiglu_moe(
     projections = (gate_proj, up_proj, down_proj)
     if _fusable(projections):
         return fp8_moe_swiglu_experts(x_TD, plan, topk_weights_TK, *projections)
-    rows_RD = permute(x_TD, plan)
-    y_RD = grouped_swiglu_mlp(rows_RD, plan.tokens_per_expert_E, *projections)
-    return unpermute(y_RD, plan, topk_weights_TK)
+    return _composed_moe(x_TD, plan, topk_weights_TK, projections)
 
 
 def fp8_swiglu_experts_reference(
