@@ -509,6 +509,13 @@ WGRAD_CONFIG = {
 # With TMA loads (CUDA): 128×64 tiles at 4 warps won the H200 sweep. TFLOP/s, Qwen3 gate and
 # down wgrad, pointer 64×128 fp32 output -> TMA 128×64: fp32 output 461 -> 476 and 463 -> 486,
 # BF16 output 550 and 550; DeepSeek-V2-Lite fp32 511 -> 544, 515 -> 555, BF16 600, 604.
+# Tried and not kept (H200, 16k tokens): a rescaled accumulator, acc = dot(a, b, acc · s_prev/s)
+# then · s_last (exact for power-of-two scales), which needs one register set instead of two
+# and so fits 128×128 tiles at 4 warps: wgrad 1.18-1.19x (Qwen3 558 -> 660 TFLOP/s, DeepSeek
+# 606 -> 723), but every K block then adds into the tensor cores' narrow accumulator, so the
+# fp32 error against the emulation grew from 1.25e-4 to 5.3e-4 / 6.9e-4 and grows with the
+# tokens per expert. For fprop it allowed 128×256 tiles, +7% over the same kernel at 128×128
+# but still 0.85x ours (the [BLOCK_N] B-scale vector), with fp32 error 4.4e-4 to 9.5e-4.
 WGRAD_TMA_CONFIG = {
     "BLOCK_M": 128, "BLOCK_N": 64, "num_stages": 4, "num_warps": 4, "MAX_IMPRECISE": None
 }  # fmt: skip
