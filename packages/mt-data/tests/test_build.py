@@ -284,3 +284,90 @@ def test_eos_token_argument_overrides_the_config(tmp_path, tokenizer):
     argv = ["build", str(path), "--tokenizer", str(directory), "--output", str(tmp_path / "o")]
     assert main([*argv, "--eos-token", "<|endoftext|>", "--no-progress", "--workers", "0"]) == 0
     assert IndexedDataset(tmp_path / "o" / "e")[0].tolist()[-1] == tokenizer.eos_id
+
+
+def test_a_changed_or_different_input_is_rebuilt_not_reused(tmp_path, tokenizer):
+    a = write_jsonl(tmp_path / "a" / "train.jsonl", TEXTS_A)
+    b = write_jsonl(tmp_path / "b" / "train.jsonl", TEXTS_B)
+    _build([a], tmp_path / "out")
+    summary = _build([b], tmp_path / "out")  # another file with the same stem
+    assert (summary.num_resumed, summary.num_documents) == (0, len(TEXTS_B))
+    assert _build([b], tmp_path / "out").num_resumed == 1  # unchanged: reused
+    with open(b, "ab") as f:
+        f.write(jsonl_bytes(["appended = True"]))
+    summary = _build([b], tmp_path / "out")
+    assert (summary.num_resumed, summary.num_documents) == (0, len(TEXTS_B) + 1)
+    last = IndexedDataset(tmp_path / "out" / "train")[len(TEXTS_B)].tolist()
+    assert tokenizer.tokenizer.decode(last[:-1]) == "appended = True"
+
+
+def test_shards_an_earlier_build_no_longer_lists_are_removed_and_never_read(tmp_path):
+    from mt_data import TokenDataset
+
+    a = write_jsonl(tmp_path / "x" / "a.jsonl", TEXTS_A)
+    b = write_jsonl(tmp_path / "x" / "b.jsonl", TEXTS_B)
+    c = write_jsonl(tmp_path / "y" / "a.jsonl", TEXTS_B)  # stem clash: hashed names
+    first = _build([a, b, c], tmp_path / "out")
+    build_documents(["not built by build_corpus"], default_tokenizer_path(), tmp_path / "out" / "m")
+    summary = _build([a], tmp_path / "out")  # "a" now: the hashed names are stale too
+    assert sorted(summary.removed) == sorted(s.name for s in first.shards)
+    names = sorted(p.name for p in (tmp_path / "out").glob("*.idx"))
+    assert names == ["a.idx", "m.idx"]  # a shard without a build record is left alone
+    dataset = TokenDataset(tmp_path / "out", seq_len=4)
+    assert dataset.num_tokens == summary.num_tokens  # the manifest's shards only
+
+
+def test_an_unfinished_build_is_refused_by_readers(tmp_path):
+    from mt_data import TokenDataset
+
+    a = write_jsonl(tmp_path / "a.jsonl", TEXTS_A)
+    _build([a], tmp_path / "out")
+    (tmp_path / "out" / "manifest.json").unlink()  # as a build killed before its end
+    with pytest.raises(ValueError, match="has not finished.*rerun the same"):
+        TokenDataset(tmp_path / "out", seq_len=4)
+
+
+def test_a_second_build_into_the_same_directory_is_refused_while_one_runs(tmp_path):
+    from mt_data.build import build_lock
+
+    a = write_jsonl(tmp_path / "a.jsonl", TEXTS_A)
+    (tmp_path / "out").mkdir()
+    with (
+        build_lock(tmp_path / "out"),
+        pytest.raises(ValueError, match="another mt-data build is writing"),
+    ):
+        _build([a], tmp_path / "out")
+    assert _build([a], tmp_path / "out").num_documents == len(TEXTS_A)  # released
+
+
+def test_vocab_size_is_the_largest_id_plus_one_when_ids_have_gaps(tmp_path):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    vocab = {"<|endoftext|>": 0, "[UNK]": 1, "hello": 2, "world": 70000}
+    tok = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    path = tmp_path / "sparse" / "tokenizer.json"
+    path.parent.mkdir()
+    tok.save(str(path))
+    assert load_tokenizer(path).vocab_size == 70001
+    a = write_jsonl(tmp_path / "a.jsonl", ["hello world"])
+    build_corpus([a], path, tmp_path / "out", workers=0, progress=False)
+    assert IndexedDataset(tmp_path / "out" / "a")[0].tolist() == [2, 70000, 0]
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert (manifest["vocab_size"], manifest["dtype"]) == (70001, "int32")
+    from mt_data.default_corpus import build_default_corpus
+
+    with pytest.raises(ValueError, match="choose a new output directory"):
+        build_default_corpus(tmp_path / "out")  # made with another tokenizer
+
+
+def test_cli_bos_flag_does_not_take_the_input_as_its_token(tmp_path, tokenizer):
+    a = write_jsonl(tmp_path / "a.jsonl", ["x = 1"])
+    out = tmp_path / "out"
+    argv = ["build", "--tokenizer", str(default_tokenizer_path()), "--output", str(out),
+            "--workers", "0", "--no-progress", "--bos-token", "<|endoftext|>", str(a)]  # fmt: skip
+    assert main(argv) == 0
+    ids = IndexedDataset(out / "a")[0].tolist()
+    assert ids[0] == ids[-1] == tokenizer.eos_id

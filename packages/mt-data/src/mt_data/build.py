@@ -11,14 +11,21 @@ busy. At most `2 * workers + 2` batches are in flight, so memory does not grow w
 size of a file or of the corpus.
 
 Resume: every shard is written under a temporary name and renamed when complete
-(`IndexedDatasetWriter`); just before that, its counts go to `.mt-data/<name>.json`.
-A rerun skips the shards that are complete (both files, a clean index and the record)
-and rebuilds the others, so the final directory is byte-identical to an uninterrupted
+(`IndexedDatasetWriter`); just before that, its counts and its input's path, size and
+modification time go to `.mt-data/<name>.json`. A rerun skips the shards that are
+complete (both files, a clean index and the record) and whose input is unchanged, and
+rebuilds the others, so the final directory is byte-identical to an uninterrupted
 build's.
+
+One build at a time writes a directory (an exclusive `flock` on it). The
+manifest is removed when a build starts and written when it ends, so readers refuse a
+directory whose build has not finished; shards of earlier builds that this build no
+longer lists are removed with their records.
 """
 
 from __future__ import annotations
 
+import fcntl
 import multiprocessing
 import os
 import signal
@@ -27,6 +34,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -35,6 +43,7 @@ from mt_data.encode import EncodedBatch, encode_batch, init_worker, worker_encod
 from mt_data.indexed import IndexedDatasetWriter, token_dtype
 from mt_data.manifest import (
     MANIFEST_NAME,
+    RECORD_DIR,
     corpus_manifest,
     file_sha256,
     read_manifest,
@@ -74,6 +83,7 @@ class _OpenShard:
     settings: dict[str, Any]
     record_dir: Path
     on_error: OnError
+    source: dict[str, Any]
 
     def add(self, encoded: EncodedBatch | ReadFailure, progress: BuildProgress) -> None:
         bad_lines = [encoded.bad] if isinstance(encoded, ReadFailure) else encoded.bad_lines
@@ -92,7 +102,7 @@ class _OpenShard:
     def finish(self) -> ShardSummary:
         # The record first: a final .idx then always has one (a record without a
         # finished shard is simply rewritten by the rerun).
-        write_shard_record(self.record_dir, self.summary, self.settings)
+        write_shard_record(self.record_dir, self.summary, self.settings, self.source)
         self.writer.finalize()
         return self.summary
 
@@ -112,13 +122,57 @@ def _exit_when_orphaned(parent: int) -> None:
             os._exit(1)
 
 
-def _init_builder_worker(spec: TokenizerSpec, text_key: str) -> None:
+def _init_builder_worker(spec: TokenizerSpec, text_key: str, parent: int) -> None:
     # Ctrl-C goes to the whole process group; the main process handles it and stops us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # A worker waits on a queue it also holds a write end of, so it would sleep forever
-    # after `kill -9` of the main process: watch the parent and leave with it.
-    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
+    # after `kill -9` of the main process: watch the parent (its pid passed in, since the
+    # main process may already be gone when this runs) and leave with it.
+    threading.Thread(target=_exit_when_orphaned, args=(parent,), daemon=True).start()
     init_worker(spec, text_key)
+
+
+def input_fingerprint(path: Path) -> dict[str, Any]:
+    """What identifies an input's content for resume: resolved path, size, mtime (ns)."""
+    stat = path.stat()
+    return {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+@contextmanager
+def build_lock(out: Path) -> Iterator[None]:
+    """Hold the exclusive build lock of corpus directory `out` (a `flock` on the
+    directory itself, so no lock file is left behind; released if the process dies).
+
+    Raises:
+        ValueError: If another build holds it.
+    """
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(
+                f"{out}: another mt-data build is writing this directory; wait for it to "
+                "finish or choose another output directory"
+            ) from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def remove_stale_shards(out: Path, keep: set[str]) -> list[str]:
+    """Remove the shards that an earlier build wrote into `out` (they have a build record)
+    and that are not in `keep`, with their records; returns their names."""
+    removed = []
+    for record in sorted((out / RECORD_DIR).glob("*.json")):
+        name = record.stem
+        if name in keep:
+            continue
+        for suffix in (".idx", ".bin"):  # the index first: without it the shard is gone
+            Path(f"{out / name}{suffix}").unlink(missing_ok=True)
+        record.unlink(missing_ok=True)
+        removed.append(name)
+    return removed
 
 
 def _run_jobs(
@@ -138,7 +192,7 @@ def _run_jobs(
             max_workers=workers,
             mp_context=multiprocessing.get_context("spawn"),
             initializer=_init_builder_worker,
-            initargs=(spec, text_key),
+            initargs=(spec, text_key, os.getpid()),
         )
     max_in_flight = 2 * workers + 2 if executor else 1
     pending: deque[tuple[int, Any]] = deque()
@@ -153,7 +207,9 @@ def _run_jobs(
             progress.describe(prefix.name)
             summary = ShardSummary(name=prefix.name, input=str(path))
             writer = IndexedDatasetWriter(prefix, dtype)
-            current = _OpenShard(writer, summary, settings, prefix.parent, on_error)
+            current = _OpenShard(
+                writer, summary, settings, prefix.parent, on_error, input_fingerprint(path)
+            )
         if value is None:
             summaries.append(current.finish())
             current = None
@@ -241,32 +297,48 @@ def build_corpus(
         "bos_id": loaded.bos_id,
         "text_key": text_key,
     }
+    with build_lock(out):
+        check_tokenizer(out, settings["tokenizer_sha256"], loaded.path)
+        names = shard_names(files)
+        done: dict[int, ShardSummary] = {}
+        jobs: list[tuple[Path, Path]] = []
+        for i, (path, name) in enumerate(zip(files, names, strict=True)):
+            summary = finished_shard(
+                out / name, read_shard_record(out, name), settings,
+                token_dtype(loaded.vocab_size), input_fingerprint(path),
+            )  # fmt: skip
+            if summary is not None:
+                done[i] = summary
+            else:
+                jobs.append((path, out / name))
+        # From here until the new manifest the directory is an unfinished build.
+        (out / MANIFEST_NAME).unlink(missing_ok=True)
+        removed = remove_stale_shards(out, set(names))
+        total_bytes = sum(path.stat().st_size for path, _ in jobs)
+        with BuildProgress(total_bytes, progress) as bar:
+            built = iter(_run_jobs(jobs, spec, loaded, settings, text_key, on_error, workers, bar))
+        shards = [done[i] if i in done else next(built) for i in range(len(files))]
+        manifest = corpus_manifest(
+            loaded, shards, text_key=text_key, inputs=[str(f) for f in files], source="files"
+        )
+        write_manifest(out, manifest)
+    return BuildSummary(
+        output=out, shards=shards, seconds=time.perf_counter() - start, removed=removed
+    )
+
+
+def check_tokenizer(out: Path, tokenizer_sha256: str, tokenizer: Path) -> None:
+    """Refuse to build into a corpus directory made with another tokenizer.
+
+    Raises:
+        ValueError: If `out`'s manifest names a tokenizer with other bytes.
+    """
     previous = read_manifest(out)
-    if previous is not None and previous.get("tokenizer_sha256") != settings["tokenizer_sha256"]:
+    if previous is not None and previous.get("tokenizer_sha256") != tokenizer_sha256:
         raise ValueError(
             f"{out / MANIFEST_NAME}: this directory holds a corpus built with tokenizer "
-            f"{previous.get('tokenizer')}, not {loaded.path}; choose a new output directory"
+            f"{previous.get('tokenizer')}, not {tokenizer}; choose a new output directory"
         )
-
-    done: dict[int, ShardSummary] = {}
-    jobs: list[tuple[Path, Path]] = []
-    for i, (path, name) in enumerate(zip(files, shard_names(files), strict=True)):
-        record = read_shard_record(out, name)
-        summary = finished_shard(out / name, record, settings, token_dtype(loaded.vocab_size))
-        if summary is not None:
-            done[i] = summary
-        else:
-            jobs.append((path, out / name))
-    total_bytes = sum(path.stat().st_size for path, _ in jobs)
-    with BuildProgress(total_bytes, progress) as bar:
-        built = iter(_run_jobs(jobs, spec, loaded, settings, text_key, on_error, workers, bar))
-    shards = [done[i] if i in done else next(built) for i in range(len(files))]
-
-    manifest = corpus_manifest(
-        loaded, shards, text_key=text_key, inputs=[str(f) for f in files], source="files"
-    )
-    write_manifest(out, manifest)
-    return BuildSummary(output=out, shards=shards, seconds=time.perf_counter() - start)
 
 
 def build_documents(

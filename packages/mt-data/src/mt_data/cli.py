@@ -75,11 +75,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     build.add_argument(
         "--bos",
-        nargs="?",
-        const=True,
-        default=False,
+        action="store_true",
+        help="prepend tokenizer_config.json's bos_token to every document",
+    )
+    build.add_argument(
+        "--bos-token",
+        default=None,
         metavar="TOKEN",
-        help="prepend BOS to every document (tokenizer_config.json's bos_token, or TOKEN)",
+        help="prepend this token to every document instead (implies --bos)",
     )
     build.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
@@ -123,7 +126,7 @@ def _run_build(args: argparse.Namespace) -> int:
         on_error=args.on_error,
         workers=args.workers,
         eos_token=args.eos_token,
-        bos=args.bos,
+        bos=args.bos_token or args.bos,
         progress=not args.no_progress,
     )
     for bad in summary.bad_lines[:_PRINTED_BAD_LINES]:
@@ -139,6 +142,8 @@ def _run_build(args: argparse.Namespace) -> int:
         f"{summary.num_bad_lines} bad lines, {summary.num_empty_documents} empty documents "
         f"skipped, {summary.seconds:.1f} s"
     )
+    if summary.removed:
+        print(f"removed shards of an earlier build no longer listed: {', '.join(summary.removed)}")
     if summary.bad_lines_by_kind:
         kinds = ", ".join(f"{kind} {n}" for kind, n in summary.bad_lines_by_kind.items())
         print(f"bad lines by kind: {kinds}")

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from mt_data.indexed import IndexedDataset
+from mt_data.manifest import MANIFEST_NAME, RECORD_DIR, read_manifest
 
 __all__ = ["PackedCorpus", "resolve_shards"]
 
@@ -34,10 +35,39 @@ __all__ = ["PackedCorpus", "resolve_shards"]
 _CHECK_CHUNK = 1 << 20
 
 
+def _directory_shards(path: Path) -> list[Path]:
+    """A directory's shard prefixes, sorted by name: those its manifest.json lists (an
+    mt-data corpus), else every `*.idx` (a Megatron directory, or a hand-written
+    manifest that lists no shards)."""
+    manifest = read_manifest(path)
+    if manifest is None and (path / RECORD_DIR).is_dir():
+        raise ValueError(
+            f"data path {path}: an mt-data build into it has not finished (no "
+            f"{MANIFEST_NAME}); rerun the same `mt-data build` command to complete it"
+        )
+    if manifest is None or "shards" not in manifest:
+        return sorted(p.with_suffix("") for p in path.glob("*.idx") if p.is_file())
+    try:
+        names = [str(shard["name"]) for shard in manifest["shards"]]
+    except (KeyError, TypeError) as e:
+        raise ValueError(
+            f"{path / MANIFEST_NAME}: 'shards' is not a list of objects with a 'name' "
+            f"({e!r}); rebuild the corpus"
+        ) from None
+    missing = [n for n in names if not (path / f"{n}.idx").is_file()]
+    if missing:
+        raise ValueError(
+            f"{path / MANIFEST_NAME} lists shards {missing} that are not in {path} (no .idx); "
+            "rebuild the corpus"
+        )
+    return sorted(path / n for n in names)
+
+
 def resolve_shards(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
-    """Shard prefixes of corpus paths: a directory gives its `*.idx` shards sorted by
-    name; any other path is a shard prefix (`data/foo` for `data/foo.bin` + `.idx`,
-    as Megatron-LM's `--data-path` takes it; a trailing `.idx` or `.bin` is dropped).
+    """Shard prefixes of corpus paths: a directory gives its shards sorted by name (those
+    its manifest.json lists, or every `*.idx` of a directory without one); any other path
+    is a shard prefix (`data/foo` for `data/foo.bin` + `.idx`, as Megatron-LM's
+    `--data-path` takes it; a trailing `.idx` or `.bin` is dropped).
 
     Args:
         paths: Directories and shard prefixes.
@@ -46,13 +76,14 @@ def resolve_shards(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
         The shard prefixes, in order.
 
     Raises:
-        ValueError: If a path is neither a directory with shards nor a shard prefix.
+        ValueError: If a path is neither a directory with shards nor a shard prefix, or
+            a directory's mt-data build is unfinished or lists missing shards.
     """
     prefixes: list[Path] = []
     for item in paths:
         path = Path(item).expanduser()
         if path.is_dir():
-            found = sorted(p.with_suffix("") for p in path.glob("*.idx") if p.is_file())
+            found = _directory_shards(path)
             if not found:
                 raise ValueError(
                     f"data path {path} holds no shards (*.idx + *.bin); build one with "

@@ -21,8 +21,14 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from mt_data.build import build_documents
-from mt_data.manifest import MANIFEST_NAME, MANIFEST_VERSION, corpus_manifest, write_manifest
+from mt_data.build import build_documents, build_lock, check_tokenizer, remove_stale_shards
+from mt_data.manifest import (
+    MANIFEST_NAME,
+    MANIFEST_VERSION,
+    corpus_manifest,
+    file_sha256,
+    write_manifest,
+)
 from mt_data.tokenizer import load_tokenizer
 
 __all__ = [
@@ -118,27 +124,38 @@ def build_default_corpus(output: str | Path, *, progress: bool = False) -> Path:
     """Tokenize the default corpus into `output` (one shard plus manifest.json).
 
     Args:
-        output: The corpus directory; created if missing. An existing corpus there is
-            overwritten shard by shard, each file atomically, the manifest last.
+        output: The corpus directory; created if missing. An existing corpus there (made
+            with the same tokenizer) is replaced: its manifest is removed first, shards of
+            `mt-data build` removed, the new shard written atomically, the manifest last.
         progress: Show a tqdm progress bar.
 
     Returns:
         The corpus directory.
+
+    Raises:
+        ValueError: If `output` holds a corpus made with another tokenizer, or another
+            build is writing it.
     """
     out = Path(output).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output {out} exists and is not a directory; choose another path")
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(default_tokenizer_path())
-    shard = build_documents(
-        iter_default_documents(), tokenizer, out / DEFAULT_SHARD_NAME, progress=progress
-    )
-    shard.input = str(_stdlib_root())
-    manifest = corpus_manifest(
-        tokenizer,
-        [shard],
-        source="python-stdlib",
-        python_version=f"{sys.version_info.major}.{sys.version_info.minor}",
-    )
-    write_manifest(out, manifest)
+    with build_lock(out):
+        check_tokenizer(out, file_sha256(tokenizer.path), tokenizer.path)
+        (out / MANIFEST_NAME).unlink(missing_ok=True)
+        remove_stale_shards(out, set())
+        shard = build_documents(
+            iter_default_documents(), tokenizer, out / DEFAULT_SHARD_NAME, progress=progress
+        )
+        shard.input = str(_stdlib_root())
+        manifest = corpus_manifest(
+            tokenizer,
+            [shard],
+            source="python-stdlib",
+            python_version=f"{sys.version_info.major}.{sys.version_info.minor}",
+        )
+        write_manifest(out, manifest)
     return out
 
 

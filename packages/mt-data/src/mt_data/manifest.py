@@ -74,7 +74,10 @@ def _write_json_atomic(path: Path, data: Any) -> None:
 
 
 def write_shard_record(
-    directory: str | Path, summary: ShardSummary, settings: dict[str, Any]
+    directory: str | Path,
+    summary: ShardSummary,
+    settings: dict[str, Any],
+    source: dict[str, Any] | None = None,
 ) -> Path:
     """Write a shard's build record `.mt-data/<name>.json` atomically.
 
@@ -82,6 +85,7 @@ def write_shard_record(
         directory: The corpus directory.
         summary: The shard's counts.
         settings: The build settings it was made with.
+        source: Its input's fingerprint (path, size, modification time), if any.
 
     Returns:
         The record's path.
@@ -89,7 +93,8 @@ def write_shard_record(
     records = Path(directory) / RECORD_DIR
     records.mkdir(exist_ok=True)
     path = records / f"{summary.name}.json"
-    _write_json_atomic(path, {"settings": settings, "summary": summary.to_json()})
+    record = {"settings": settings, "summary": summary.to_json(), "source": source}
+    _write_json_atomic(path, record)
     return path
 
 

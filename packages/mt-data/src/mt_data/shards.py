@@ -105,11 +105,14 @@ class BuildSummary:
         output: The corpus directory.
         shards: One summary per input file, in input order.
         seconds: Wall time of the build.
+        removed: Shards of earlier builds into the directory that this build no longer
+            lists, removed.
     """
 
     output: Path
     shards: list[ShardSummary]
     seconds: float
+    removed: list[str] = field(default_factory=list)
 
     @property
     def num_documents(self) -> int:
@@ -181,17 +184,20 @@ def finished_shard(
     record: dict[str, Any] | None,
     settings: dict[str, Any],
     dtype: np.dtype,
+    source: dict[str, Any],
 ) -> ShardSummary | None:
     """The summary of the shard at `prefix` if it is complete, else None (rebuild it).
 
     Complete means: both final files exist, the index reads cleanly with the expected
-    dtype, and its build record matches the shard's counts.
+    dtype, its build record matches the shard's counts, and the record's input
+    fingerprint equals `source` (same file, size and modification time).
 
     Args:
         prefix: Shard path without extension.
         record: Its build record (`read_shard_record`), or None.
         settings: The build's settings (tokenizer hash, EOS/BOS ids, text key).
         dtype: The token dtype the build writes.
+        source: The input's fingerprint now (`mt_data.build.input_fingerprint`).
 
     Returns:
         The recorded summary with `resumed=True`, or None.
@@ -201,6 +207,8 @@ def finished_shard(
     """
     if record is None or not (Path(f"{prefix}.idx").is_file() and Path(f"{prefix}.bin").is_file()):
         return None
+    if record.get("source") != source:
+        return None  # another input file, or this one changed since: rebuild it
     try:
         shard = IndexedDataset(prefix)
     except ValueError:

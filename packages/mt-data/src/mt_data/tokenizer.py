@@ -163,10 +163,16 @@ def load_tokenizer(
         path=file,
         eos_token=eos_token,
         eos_id=eos_id,
-        vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
+        vocab_size=_vocab_size(tokenizer),
         bos_token=bos_token,
         bos_id=bos_id,
     )
+
+
+def _vocab_size(tokenizer: Tokenizer) -> int:
+    """Largest token id + 1 (ids may have gaps, so not the number of entries)."""
+    ids = tokenizer.get_vocab(with_added_tokens=True).values()
+    return max(ids, default=-1) + 1
 
 
 def _resolve_bos(
@@ -179,7 +185,7 @@ def _resolve_bos(
         if token is None:
             raise ValueError(
                 f"bos=True but {config_path} names no 'bos_token'; pass the BOS token's text "
-                "instead (--bos TOKEN)"
+                "instead (--bos-token TOKEN)"
             )
     elif isinstance(bos, str) and bos:
         token = bos
