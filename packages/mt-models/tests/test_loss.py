@@ -91,3 +91,26 @@ def test_a_few_adamw_steps_lower_the_loss_on_a_fixed_batch(build_debug_model):
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_layers_balancing_losses_combine_as_each_family_hub_code_does(build_debug_model):
+    """Qwen3 pools every layer's statistics (transformers' load_balancing_loss_func over
+    the concatenated router logits); DeepSeek-V2 sums per-layer losses normalized by K."""
+    for family, mode in (("qwen3_moe", "pooled"), ("deepseek_v2", "per_layer")):
+        model = build_debug_model(family=family, aux_loss_type="global")
+        assert model.config.load_balancing == mode
+        out = model.loss(*_batch(2))
+        stats = out.router_stats
+        assert len(stats) >= 2
+        num_experts = stats[0].tokens_per_expert_E.numel()
+        topk = model.config.num_experts_per_tok
+        count_LE = torch.stack([s.tokens_per_expert_E for s in stats])
+        prob_LE = torch.stack([s.prob_sum_E for s in stats]).detach()
+        tokens_L = torch.stack([s.num_tokens for s in stats]).float()
+        if mode == "pooled":
+            total = tokens_L.sum()
+            expected = num_experts * ((count_LE.sum(0) / total) * (prob_LE.sum(0) / total)).sum()
+        else:  # DeepSeek MoEGate: f_i = count_i · E / (K · T), P_i = mean prob; Σ f·P per layer
+            f_LE = count_LE * num_experts / (topk * tokens_L[:, None])
+            expected = (f_LE * prob_LE / tokens_L[:, None]).sum()
+        torch.testing.assert_close(out.losses["load_balancing_loss"], expected)

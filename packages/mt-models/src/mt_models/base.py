@@ -8,6 +8,7 @@ assembly: it builds a :class:`DecoderStack` of shared layers as ``self.model`` a
 initialization and FLOP accounting (``accounting.py``) are shared.
 """
 
+import dataclasses
 import hashlib
 import math
 from collections.abc import Callable
@@ -41,6 +42,14 @@ class StackOutput:
 
     hidden_BSD: Tensor
     router_stats: list[RouterStats]
+
+
+def _add_stats(router_stats: list[RouterStats]) -> RouterStats:
+    """Field-wise sum of router statistics (all layers' tokens pooled into one set)."""
+    fields = dataclasses.fields(RouterStats)
+    return RouterStats(
+        **{f.name: torch.stack([getattr(s, f.name) for s in router_stats]).sum(0) for f in fields}
+    )
 
 
 @dataclass(frozen=True)
@@ -201,8 +210,13 @@ class CausalLM(nn.Module):
         """Weighted load-balancing and z losses from (reduced) router statistics.
 
         ``config.aux_loss_type`` picks the balancing variant: ``"global"`` (over the whole
-        batch, HF's) or ``"sequence"`` (per sequence, averaged); ``router_aux_loss_coef`` and
-        ``router_z_loss_coef`` (0 switches a loss off) weight them.
+        batch, HF's) or ``"sequence"`` (per sequence, averaged). ``config.load_balancing``
+        combines the layers: ``"pooled"`` takes one loss of all layers' statistics added
+        together (transformers' ``load_balancing_loss_func`` over every layer's router
+        logits; K for uniform routing), ``"per_layer"`` sums each layer's loss divided by
+        K (DeepSeek-V2, Megatron-Core; 1 per layer for uniform routing). The z-loss is
+        summed over layers. ``router_aux_loss_coef`` and ``router_z_loss_coef`` (0
+        switches a loss off) weight them.
 
         Args:
             router_stats: Each MoE layer's statistics.
@@ -213,13 +227,17 @@ class CausalLM(nn.Module):
         """
         per_sequence = getattr(self.config, "aux_loss_type", "global") == "sequence"
         balance_fn = sequence_load_balancing_loss if per_sequence else load_balancing_loss
+        pooled = getattr(self.config, "load_balancing", "pooled") == "pooled"
         balance = torch.zeros((), dtype=torch.float32, device=device)
         z_loss = torch.zeros((), dtype=torch.float32, device=device)
+        if self.router_stats_reducer is not None:
+            router_stats = [self.router_stats_reducer(stats) for stats in router_stats]
         for stats in router_stats:
-            if self.router_stats_reducer is not None:
-                stats = self.router_stats_reducer(stats)
-            balance = balance + balance_fn(stats)
             z_loss = z_loss + router_z_loss(stats)
+            if not pooled:
+                balance = balance + balance_fn(stats) / self.config.num_experts_per_tok
+        if pooled and router_stats:
+            balance = balance_fn(_add_stats(router_stats))
         z_coef = getattr(self.config, "router_z_loss_coef", 0.0)
         aux_loss = balance * self.config.router_aux_loss_coef + z_loss * z_coef
         losses = {"load_balancing_loss": balance.detach(), "router_z_loss": z_loss.detach()}

@@ -2,15 +2,21 @@
 
 Besides the Hub's fields, every family config carries the training-only router-loss
 switches (not written to a Hub ``config.json``): ``router_aux_loss_coef`` (a Hub field of
-Qwen3-MoE and GPT-OSS), ``aux_loss_type`` and ``router_z_loss_coef``.
+Qwen3-MoE and GPT-OSS), ``aux_loss_type``, ``load_balancing`` and ``router_z_loss_coef``.
 """
 
 from typing import Any
 
 AUX_LOSS_TYPES = ("global", "sequence")
+# How the layers' balancing losses combine, as the family's Hub code does (so a Hub
+# coefficient keeps its meaning): "pooled" computes one loss from the statistics of all
+# layers together (transformers' load_balancing_loss_func: Qwen3-MoE, GPT-OSS); "per_layer"
+# sums per-layer losses each normalized to 1 for uniform routing (DeepSeek-V2's MoEGate,
+# Megatron-Core).
+LOAD_BALANCING = ("pooled", "per_layer")
 
 # Our fields that are not Hub config.json keys; save_hf leaves them out.
-TRAINING_ONLY_FIELDS = ("aux_loss_type", "router_z_loss_coef")
+TRAINING_ONLY_FIELDS = ("aux_loss_type", "load_balancing", "router_z_loss_coef")
 
 
 def check_positive(config: Any, names: list[str]) -> None:
@@ -22,11 +28,18 @@ def check_positive(config: Any, names: list[str]) -> None:
 
 
 def check_router_losses(config: Any) -> None:
-    """Validates ``router_aux_loss_coef``, ``aux_loss_type`` and ``router_z_loss_coef``."""
+    """Validates ``router_aux_loss_coef``, ``aux_loss_type``, ``load_balancing`` and
+    ``router_z_loss_coef``."""
     if config.aux_loss_type not in AUX_LOSS_TYPES:
         raise ValueError(
             f"aux_loss_type ({config.aux_loss_type!r}) must be one of {AUX_LOSS_TYPES}: "
             "'global' balances the whole batch, 'sequence' each sequence"
+        )
+    if config.load_balancing not in LOAD_BALANCING:
+        raise ValueError(
+            f"load_balancing ({config.load_balancing!r}) must be one of {LOAD_BALANCING}: "
+            "'pooled' is one loss over all layers' statistics (transformers), 'per_layer' "
+            "the sum of per-layer losses normalized to 1 (DeepSeek-V2, Megatron-Core)"
         )
     if config.router_aux_loss_coef < 0 or config.router_z_loss_coef < 0:
         raise ValueError(

@@ -65,6 +65,9 @@ class DeepseekV2Config:
         router_aux_loss_coef: Weight of the load-balancing loss (the Hub's
             ``aux_loss_alpha``).
         aux_loss_type: ``"global"`` or ``"sequence"`` (the Hub's ``seq_aux``).
+        load_balancing: ``"pooled"`` or ``"per_layer"``: how layers' balancing losses
+            combine (training only; the default sums them as DeepSeek-V2 does, so the
+            Hub's ``aux_loss_alpha`` keeps its meaning; ``mt_models.configs.LOAD_BALANCING``).
         router_z_loss_coef: Weight of the router z-loss (training only; 0 is off).
     """
 
@@ -98,6 +101,7 @@ class DeepseekV2Config:
     initializer_range: float = 0.02
     router_aux_loss_coef: float = 0.001
     aux_loss_type: str = "global"
+    load_balancing: str = "per_layer"
     router_z_loss_coef: float = 0.0
 
     def __post_init__(self):

@@ -67,6 +67,9 @@ class GptOssConfig:
         initializer_range: Std of the normal initialization.
         router_aux_loss_coef: Weight of the load-balancing loss.
         aux_loss_type: ``"global"`` or ``"sequence"`` load balancing (training only).
+        load_balancing: ``"pooled"`` or ``"per_layer"``: how layers' balancing losses
+            combine (training only; the default pools them as transformers does, so the
+            Hub's coefficient keeps its meaning; ``mt_models.configs.LOAD_BALANCING``).
         router_z_loss_coef: Weight of the router z-loss (training only; 0 is off).
     """
 
@@ -92,6 +95,7 @@ class GptOssConfig:
     initializer_range: float = 0.02
     router_aux_loss_coef: float = 0.001
     aux_loss_type: str = "global"
+    load_balancing: str = "pooled"
     router_z_loss_coef: float = 0.0
 
     def __post_init__(self):

@@ -53,6 +53,9 @@ class Qwen3MoeConfig:
         use_sliding_window: Every layer attends within ``sliding_window`` keys.
         sliding_window: The window (used only with ``use_sliding_window``).
         aux_loss_type: ``"global"`` or ``"sequence"`` load balancing (training only).
+        load_balancing: ``"pooled"`` or ``"per_layer"``: how layers' balancing losses
+            combine (training only; the default pools them as transformers does, so the
+            Hub's coefficient keeps its meaning; ``mt_models.configs.LOAD_BALANCING``).
         router_z_loss_coef: Weight of the router z-loss (training only; 0 is off).
     """
 
@@ -80,6 +83,7 @@ class Qwen3MoeConfig:
     use_sliding_window: bool = False
     sliding_window: int | None = None
     aux_loss_type: str = "global"
+    load_balancing: str = "pooled"
     router_z_loss_coef: float = 0.0
 
     def __post_init__(self):
