@@ -75,6 +75,8 @@ def test_flops_per_token_is_six_times_active_matmul_params_plus_attention():
     ("family", "overrides", "message"),
     [
         ("deepseek_v2", {"topk_group": 5}, "group_limited_greedy needs"),
+        ("deepseek_v2", {"topk_group": 1, "num_experts_per_tok": 3}, "exceeds the 2 experts"),
+        ("qwen3_moe", {"load_balancing": "mean"}, "load_balancing"),
         ("deepseek_v2", {"topk_method": "noaux_tc"}, "topk_method"),
         ("deepseek_v2", {"qk_rope_head_dim": 15}, "qk_rope_head_dim"),
         ("gpt_oss", {"layer_types": ["full_attention"]}, "layer_types"),

@@ -145,6 +145,15 @@ class DeepseekV2Config:
                 f"group_limited_greedy needs n_group ({self.n_group}) dividing n_routed_experts "
                 f"({self.n_routed_experts}) and topk_group ({self.topk_group}) in [1, n_group]"
             )
+        if self.topk_method == "group_limited_greedy":
+            kept = self.topk_group * (self.n_routed_experts // self.n_group)
+            if self.num_experts_per_tok > kept:
+                raise ValueError(
+                    f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds the {kept} "
+                    f"experts group_limited_greedy keeps (topk_group {self.topk_group} of "
+                    f"n_group {self.n_group} groups of {self.n_routed_experts // self.n_group}"
+                    "); raise topk_group or lower num_experts_per_tok"
+                )
         if not 0 <= self.first_k_dense_replace <= self.num_hidden_layers:
             raise ValueError(
                 f"first_k_dense_replace ({self.first_k_dense_replace}) must be in "

@@ -5,6 +5,13 @@ gradients accumulate. The language-model loss of every micro-batch is a *sum* ov
 valid tokens divided by the number of valid tokens in the whole global step (all
 micro-batches, all ranks), so the accumulated gradient is the gradient of the
 global-batch mean loss whatever the layout (ARCHITECTURE.md §5).
+
+Under FSDP2 every micro-batch's backward reduce-scatters its gradients by default
+(``grad_reduce="microbatch"``): gradients stay sharded, at the cost of one reduction per
+micro-batch. ``grad_reduce="step"`` reduces once per step, after the last micro-batch,
+and holds the unsharded gradients of every FSDP-managed parameter in between (memory of
+the rank's whole unsharded model in the gradient dtype): right for small models or few
+micro-batches, not for one whose unsharded gradients do not fit.
 """
 
 from __future__ import annotations
@@ -14,6 +21,9 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+GRAD_REDUCE = ("microbatch", "step")
 
 
 @dataclass
@@ -53,6 +63,7 @@ def run_microbatches(
     global_num_tokens: int,
     *,
     ignore_index: int = -100,
+    grad_reduce: str = "microbatch",
 ) -> StepResult:
     """Runs forward and backward over micro-batches, accumulating gradients.
 
@@ -63,16 +74,23 @@ def run_microbatches(
         global_num_tokens: valid labels in the global batch over all ranks; each
             micro-batch's summed cross-entropy is divided by it.
         ignore_index: label value that carries no loss.
+        grad_reduce: "microbatch" (FSDP2 reduce-scatters after every micro-batch) or
+            "step" (only after the last one; see the module docstring).
 
     Returns:
         The detached loss sums, for logging.
     """
     if global_num_tokens <= 0:
         raise ValueError(f"global_num_tokens ({global_num_tokens}) must be positive")
+    if grad_reduce not in GRAD_REDUCE:
+        raise ValueError(f"grad_reduce ({grad_reduce!r}) must be one of {GRAD_REDUCE}")
+    defer = grad_reduce == "step" and isinstance(model, FSDPModule)
     # Sums stay on the device: one host transfer at the end, not one per micro-batch.
     ce_sums, token_counts, aux_losses = [], [], []
     terms: dict[str, list[torch.Tensor]] = {}
-    for mb in microbatches:
+    for i, mb in enumerate(microbatches):
+        if defer:  # reduce-scatter only in the last micro-batch's backward
+            model.set_requires_gradient_sync(i == len(microbatches) - 1)
         if mb.positions is None:
             out = model.loss(mb.input_ids, mb.labels, ignore_index=ignore_index)
         else:

@@ -85,6 +85,7 @@ class _Run:
     losses: list[float]
     grads: dict[str, torch.Tensor]  # canonical name -> first step's gradient
     topk: list[torch.Tensor]  # per (micro-batch, MoE layer): top-k ids of this rank's tokens
+    reduce_scatters: list[tuple[int, int]]  # per step: (micro-batches, reduce-scatter calls)
 
 
 def _record_topk(model: nn.Module, sink: list) -> list:
@@ -110,12 +111,14 @@ def _full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
 def _train(
     model: nn.Module, batches: list[torch.Tensor], micro: int, dims: ParallelDims | None,
     group: dist.ProcessGroup | None, batch_rank: int, cp_rank: int,
+    grad_reduce: str = "microbatch",
 ) -> _Run:
-    """Runs len(batches) AdamW steps; records losses, step-1 grads and routing."""
+    """Runs len(batches) AdamW steps; records losses, step-1 grads, routing and the
+    reduce-scatters of each step."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     topk: list[torch.Tensor] = []
     handles = _record_topk(model, topk)
-    run = _Run([], {}, topk)
+    run = _Run([], {}, topk, [])
     for step, tokens in enumerate(batches):
         global_tokens = tokens.shape[0] * (tokens.shape[1] - 1)
         mbs = []
@@ -124,7 +127,19 @@ def _train(
         ):
             del rows
             mbs.append(MicroBatch(inputs, labels, positions))
-        result = run_microbatches(model, mbs, global_tokens)
+        calls = [0]
+        reduce_scatter = dist.reduce_scatter_tensor
+
+        def counted(*args, _inner=reduce_scatter, _calls=calls, **kwargs):
+            _calls[0] += 1
+            return _inner(*args, **kwargs)
+
+        dist.reduce_scatter_tensor = counted  # FSDP2 reduces gradients through it
+        try:
+            result = run_microbatches(model, mbs, global_tokens, grad_reduce=grad_reduce)
+        finally:
+            dist.reduce_scatter_tensor = reduce_scatter
+        run.reduce_scatters.append((len(mbs), calls[0]))
         ce = result.ce_sum.to(tokens.device)
         if group is not None:
             dist.all_reduce(ce, group=group)
@@ -148,7 +163,10 @@ def compare_layout(
 
     Args:
         model_config: an mt-models family config (fp32 CPU run).
-        layout: {"dp": .., "cp": .., "ep": ..}; their product is the world size.
+        layout: {"dp": .., "cp": .., "ep": ..}; their product is the world size. An
+            optional "grad_reduce" entry ("step") runs `run_microbatches` with it and
+            also asserts one reduce-scatter per FSDP unit per step (a second step in the
+            default mode must issue micro-batches times as many).
         seq_len: tokens per sequence.
         global_batch: sequences per step.
         micro_batch: sequences per micro-batch over all batch ranks.
@@ -177,6 +195,8 @@ def compare_layout(
     reference.init_weights(seed)
     ref = _train(reference, batches, micro_batch, None, None, 0, 0)
 
+    layout = dict(layout)
+    grad_reduce = layout.pop("grad_reduce", "microbatch")
     dims = ParallelDims(world_size=dist.get_world_size(), **layout)
     with torch.device("meta"):
         model = build_model(model_config)
@@ -184,7 +204,8 @@ def compare_layout(
         apply_expert_parallel(model, dist.group.WORLD, async_comm=ep_async)
     mesh = parallelize(model, dims, device, seed=seed, ep_async=ep_async)
     group = mesh.group("dp_cp_ep")
-    par = _train(model, batches, micro_batch, dims, group, mesh.batch_rank, mesh.rank("cp"))
+    par = _train(model, batches, micro_batch, dims, group, mesh.batch_rank, mesh.rank("cp"),
+                 grad_reduce)  # fmt: skip
 
     where = f"layout {layout}, rank {dist.get_rank()}"
     # Routing first: a flipped near-tie would explain any difference below.
@@ -194,6 +215,15 @@ def compare_layout(
         assert torch.equal(a, b), (
             f"{where}: top-k routing differs in router call {i} (of {len(ref_topk)}: "
             "steps x micro-batches x MoE layers); a near-tie flipped, try another seed"
+        )
+    if grad_reduce == "step":
+        per_microbatch = _train(model, batches[:1], micro_batch, dims, group, mesh.batch_rank,
+                                mesh.rank("cp")).reduce_scatters[0]  # fmt: skip
+        (micro, deferred) = par.reduce_scatters[0]
+        assert micro > 1 and deferred > 0, f"{where}: {par.reduce_scatters=}"
+        assert deferred * micro == per_microbatch[1], (
+            f"{where}: {deferred} reduce-scatters per step with grad_reduce='step' over "
+            f"{micro} micro-batches, {per_microbatch[1]} without"
         )
     worst = {"loss": 0.0, "grad": 0.0}
     assert par.grads, f"{where}: no gradients recorded"

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mt_models import MODEL_FAMILIES
+from mt_parallel.schedule import GRAD_REDUCE
 
 
 @dataclass
@@ -251,6 +252,9 @@ class ParallelConfig:
         ep_comm: "async" overlaps the expert-parallel all-to-alls (a side CUDA stream on
             GPU); "sync" runs each to completion in turn (a fallback; same numbers).
         timeout_s: a collective that waits longer than this ends the run with an error.
+        grad_reduce: "microbatch" reduce-scatters FSDP2 gradients after every micro-batch
+            (sharded gradient memory); "step" once per step, after the last micro-batch
+            (less traffic; holds the rank's unsharded gradients between micro-batches).
     """
 
     pp: int = 1
@@ -260,6 +264,7 @@ class ParallelConfig:
     reshard_after_forward: bool = True
     ep_comm: str = "async"
     timeout_s: float = 600.0
+    grad_reduce: str = "microbatch"
 
     def __post_init__(self) -> None:
         for name in ("pp", "cp", "ep"):
@@ -271,6 +276,10 @@ class ParallelConfig:
             raise ValueError(f"parallel.ep_comm ({self.ep_comm!r}) must be 'async' or 'sync'")
         if self.timeout_s <= 0:
             raise ValueError(f"parallel.timeout_s ({self.timeout_s}) must be > 0")
+        if self.grad_reduce not in GRAD_REDUCE:
+            raise ValueError(
+                f"parallel.grad_reduce ({self.grad_reduce!r}) must be one of {GRAD_REDUCE}"
+            )
 
 
 @dataclass

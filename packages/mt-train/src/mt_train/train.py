@@ -287,8 +287,9 @@ def train_step(state: TrainState, microbatches: list[MicroBatch]) -> dict[str, A
     global_num_tokens = int(all_reduce(local_tokens.sum()))
     with state.autocast():
         result = run_microbatches(
-            state.model, microbatches, global_num_tokens, ignore_index=IGNORE_INDEX
-        )
+            state.model, microbatches, global_num_tokens, ignore_index=IGNORE_INDEX,
+            grad_reduce=cfg.parallel.grad_reduce,
+        )  # fmt: skip
     group = state.mesh.group("dp_cp_ep") if state.mesh else None
     max_norm = cfg.training.grad_clip if cfg.training.grad_clip > 0 else math.inf
     grad_norm = clip_grad_norm(state.model.parameters(), max_norm, group)
