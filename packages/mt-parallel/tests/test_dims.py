@@ -26,3 +26,14 @@ def test_context_parallel_size_must_fit_the_sequence():
     with pytest.raises(ValueError, match="zigzag"):
         dims.validate_model(num_experts=8, num_heads=4, seq_len=66)
     dims.validate_model(num_experts=8, num_heads=4, seq_len=64)
+    ParallelDims(world_size=1).validate_model(num_experts=8, num_heads=4, seq_len=1023)
+    ParallelDims(world_size=8, cp=8).validate_model(num_experts=8, num_heads=4, seq_len=64)
+
+
+def test_a_micro_batch_that_does_not_fit_the_batch_ranks_gets_sizes_that_do():
+    from mt_parallel.parallelize import check_batch_split
+
+    with pytest.raises(ValueError, match=r"use one of \[4, 12\]"):
+        check_batch_split(12, 6, ParallelDims(world_size=4))
+    with pytest.raises(ValueError, match="make training.global_batch_size a multiple of 4"):
+        check_batch_split(10, 5, ParallelDims(world_size=4))

@@ -94,7 +94,10 @@ def parallelize(
             context=mesh.group("cp"),
         )
     apply_fsdp(
-        model, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+        model,
+        mesh,
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
         reshard_after_forward=reshard_after_forward,
     )
     return mesh
@@ -108,10 +111,17 @@ def check_batch_split(global_batch: int, micro_batch: int, dims: ParallelDims) -
             f"training.global_batch_size ({global_batch})"
         )
     if micro_batch % dims.batch_ranks:
+        ranks = dims.batch_ranks
+        fits = [m for m in range(ranks, global_batch + 1, ranks) if global_batch % m == 0]
+        hint = (
+            f"use one of {fits[:6]}"
+            if fits
+            else f"no micro-batch size fits: make training.global_batch_size a multiple of {ranks}"
+        )
         raise ValueError(
             f"training.micro_batch_size ({micro_batch}) counts sequences over all dp*ep "
-            f"({dims.dp}*{dims.ep}={dims.batch_ranks}) batch ranks and must be a multiple "
-            f"of it; use {dims.batch_ranks * max(1, micro_batch // dims.batch_ranks)}"
+            f"({dims.dp}*{dims.ep}={ranks}) batch ranks and must be a multiple of it "
+            f"that divides training.global_batch_size ({global_batch}); {hint}"
         )
 
 
@@ -137,9 +147,7 @@ def rank_batch_slices(
     for start in range(0, tokens.shape[0], micro_batch):
         rows = tokens[start + batch_rank * per_rank : start + (batch_rank + 1) * per_rank]
         if dims.cp > 1:
-            inputs, labels, positions = split_sample(
-                rows, zigzag_ranges(seq_len, dims.cp, cp_rank)
-            )
+            inputs, labels, positions = split_sample(rows, zigzag_ranges(seq_len, dims.cp, cp_rank))
             yield rows, inputs, labels, positions
         else:
             yield rows, rows[:, :-1], rows[:, 1:], None
