@@ -69,9 +69,7 @@ def _plant_nan_at(monkeypatch, bad_step):
     monkeypatch.setattr(train_module, "clip_grad_norm", clip_with_a_nan_gradient)
 
 
-def test_a_nan_gradient_is_skipped_and_counted_and_the_weights_stay_finite(
-    tmp_path, monkeypatch
-):
+def test_a_nan_gradient_is_skipped_and_counted_and_the_weights_stay_finite(tmp_path, monkeypatch):
     _plant_nan_at(monkeypatch, bad_step=2)
     state = pretrain(_cfg(tmp_path, "training.max_steps=4", "training.on_nonfinite=skip"))
     assert state.skipped_steps == 1
@@ -84,8 +82,9 @@ def test_a_nan_gradient_with_stop_ends_the_run_keeping_the_last_good_checkpoint(
     tmp_path, monkeypatch
 ):
     _plant_nan_at(monkeypatch, bad_step=3)
-    cfg = _cfg(tmp_path, "training.max_steps=6", "training.on_nonfinite=stop",
-               "checkpoint.interval=2")
+    cfg = _cfg(
+        tmp_path, "training.max_steps=6", "training.on_nonfinite=stop", "checkpoint.interval=2"
+    )
     with pytest.raises(NonFiniteError, match=r"step 3: .*not finite.*step_00000002"):
         pretrain(cfg)
     assert _steps(tmp_path) == [2]
@@ -121,8 +120,9 @@ def test_a_crash_in_the_middle_of_a_save_leaves_the_previous_checkpoint_resumabl
 
 
 def test_only_the_last_k_checkpoints_are_kept(tmp_path):
-    pretrain(_cfg(tmp_path, "training.max_steps=4", "checkpoint.interval=1",
-                  "checkpoint.keep_last=2"))
+    pretrain(
+        _cfg(tmp_path, "training.max_steps=4", "checkpoint.interval=1", "checkpoint.keep_last=2")
+    )
     assert _steps(tmp_path) == [3, 4]
 
 
@@ -130,8 +130,16 @@ def test_an_async_checkpoint_holds_its_own_step_while_training_goes_on(tmp_path)
     constant_lr = ["training.min_lr_ratio=1.0"]
     whole = pretrain(_cfg(tmp_path / "whole", "training.max_steps=6", *constant_lr))
     run = tmp_path / "async"
-    pretrain(_cfg(run, "training.max_steps=5", "checkpoint.interval=2", "checkpoint.keep_last=3",
-                  "checkpoint.async_save=true", *constant_lr))
+    pretrain(
+        _cfg(
+            run,
+            "training.max_steps=5",
+            "checkpoint.interval=2",
+            "checkpoint.keep_last=3",
+            "checkpoint.async_save=true",
+            *constant_lr,
+        )
+    )
     assert _steps(run) == [2, 4, 5]
     # Step 4's files were written while step 5 changed the weights; resume from step 4.
     shutil.rmtree(checkpoint_root(run) / "step_00000005")
@@ -144,12 +152,29 @@ def test_a_rank_that_never_answers_ends_the_run_with_a_clear_error(tmp_path):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     # Rank 0 of a world of 2 whose rank 1 never starts.
-    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    env = {
+        **os.environ,
+        "WORLD_SIZE": "2",
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
     result = subprocess.run(
-        [sys.executable, "-m", "mt_train", "pretrain", "tiny", "parallel.timeout_s=2",
-         "training.device=cpu", f"run_dir={tmp_path}"],
-        capture_output=True, text=True, env=env, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "mt_train",
+            "pretrain",
+            "tiny",
+            "parallel.timeout_s=2",
+            "training.device=cpu",
+            f"run_dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
     )
     assert result.returncode == 1, result.stderr[-3000:]
     assert "timed out" in result.stderr and "parallel.timeout_s" in result.stderr
@@ -179,15 +204,26 @@ def test_a_rank_that_hangs_mid_run_ends_the_run_with_a_clear_error(tmp_path):
     import time
 
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-        "-m", "mt_train", "pretrain", "tiny", "training.max_steps=100000",
-        "training.device=cpu", "parallel.timeout_s=15", "checkpoint.interval=0",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "mt_train",
+        "pretrain",
+        "tiny",
+        "training.max_steps=100000",
+        "training.device=cpu",
+        "parallel.timeout_s=15",
+        "checkpoint.interval=0",
         f"run_dir={tmp_path}",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     log = open(tmp_path / "launcher.log", "w+")  # noqa: SIM115 - read back at the end
-    launcher = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                text=True, start_new_session=True)
+    launcher = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env=env, text=True, start_new_session=True
+    )
     stopped = None
     try:
         deadline = time.monotonic() + 120
@@ -220,3 +256,70 @@ def test_a_rank_that_hangs_mid_run_ends_the_run_with_a_clear_error(tmp_path):
         log.close()
     assert launcher.returncode != 0
     assert "timed out" in output and "parallel.timeout_s" in output, output[-3000:]
+
+
+def test_a_fresh_run_into_a_run_dir_with_checkpoints_is_refused(tmp_path):
+    pretrain(_cfg(tmp_path, "training.max_steps=2", "checkpoint.interval=2"))
+    with pytest.raises(ValueError, match="checkpoint.resume=false but .* holds checkpoints"):
+        pretrain(_cfg(tmp_path, "training.max_steps=2", "checkpoint.resume=false"))
+    assert _steps(tmp_path) == [2]
+
+
+def test_an_async_checkpoint_completes_once_written_not_at_the_next_save(tmp_path, monkeypatch):
+    # Files written by the end of the next step (deterministic here), then a crash before
+    # any later save: the checkpoint must already be complete.
+    def written_by_now(writer):
+        if writer.pending:
+            writer._pending[0].result()  # the background write finishes
+        return writer.pending
+
+    monkeypatch.setattr(checkpoint_module.AsyncCheckpointer, "written", written_by_now)
+    real_step = train_module.train_step
+
+    def crash_at_step_4(state, microbatches):
+        if state.step == 3:
+            raise RuntimeError("node lost")
+        return real_step(state, microbatches)
+
+    monkeypatch.setattr(train_module, "train_step", crash_at_step_4)
+    cfg = _cfg(tmp_path, "training.max_steps=6", "checkpoint.interval=2",
+               "checkpoint.async_save=true")  # fmt: skip
+    with pytest.raises(RuntimeError, match="node lost"):
+        pretrain(cfg)
+    assert _steps(tmp_path) == [2]
+
+
+def test_resuming_or_initializing_a_different_model_names_the_mismatch(tmp_path):
+    source = tmp_path / "source"
+    pretrain(_cfg(source, "training.max_steps=1"))
+    step = checkpoint_root(source) / "step_00000001"
+    fewer_layers = "model.num_hidden_layers=1"
+    with pytest.raises(ValueError, match=r"holds \d+ parameter\(s\) the model lacks"):
+        pretrain(_cfg(tmp_path / "init", "training.max_steps=1", fewer_layers,
+                      f"init_from={step}"))  # fmt: skip
+    with pytest.raises(ValueError, match="holds .* model tensor.* this model lacks"):
+        pretrain(_cfg(source, "training.max_steps=2", fewer_layers))
+    with pytest.raises(ValueError, match="has shape .* but the model gives .*model.\\* values"):
+        pretrain(_cfg(source, "training.max_steps=2", "model.moe_intermediate_size=16"))
+
+
+def test_data_that_runs_out_mid_batch_leaves_that_batch_unread(tmp_path):
+    import json
+
+    from mt_data import TokenDataset, build_corpus
+    from mt_data.default_corpus import default_tokenizer_path
+
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"x = {i} * {i}\n" * 9}) + "\n" for i in range(40)))
+    corpus = tmp_path / "corpus"
+    build_corpus([docs], default_tokenizer_path(), corpus, workers=0, progress=False)
+    samples = TokenDataset(corpus, 64).num_samples
+    batch = next(b for b in range(2, samples) if samples % b)  # the last batch is partial
+    run = tmp_path / "run"
+    state = pretrain(_cfg(run, f"data.path={corpus}", "data.on_exhausted=stop",
+                          f"training.global_batch_size={batch}", "training.micro_batch_size=1",
+                          "training.max_steps=1000"))  # fmt: skip
+    assert state.step == samples // batch
+    saved = json.loads((list_checkpoints(checkpoint_root(run))[-1].path
+                        / "train_state.json").read_text())  # fmt: skip
+    assert saved["data"]["consumed_samples"] == state.step * batch

@@ -45,6 +45,12 @@ def test_bad_values_fail_validation_with_the_rule():
         resolve_config(get_recipe("debug"), overrides=["training.max_steps"])
     with pytest.raises(ValueError, match="parallel.ep_comm .'ring'. must be 'async' or 'sync'"):
         resolve_config(get_recipe("debug"), overrides=["parallel.ep_comm=ring"])
+    for bad, rule in (("training.lr=nan", "training.lr .nan. must be finite"),
+                      ("training.beta2=1.5", "must be in .0, 1."),
+                      ("training.num_threads=-3", "training.num_threads .-3. .* must be >= 0"),
+                      ("parallel.grad_reduce=never", "parallel.grad_reduce")):  # fmt: skip
+        with pytest.raises(ValueError, match=rule):
+            resolve_config(get_recipe("debug"), overrides=[bad])
 
 
 def test_toml_file_adjusts_the_recipe_and_command_line_wins(tmp_path):
@@ -89,7 +95,7 @@ def test_print_config_and_help(capsys):
     assert exit_info.value.code == 0
     help_text = capsys.readouterr().out
     for name in RECIPES:
-        assert name in help_text
+        assert f"  {name}  " in help_text  # a gap between every name and its summary
 
 
 def test_cli_reports_bad_input_without_a_traceback(capsys):

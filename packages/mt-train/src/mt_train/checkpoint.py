@@ -34,6 +34,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _STATE_FILE = "train_state.json"
+# DCP warns that it runs without a process group in one process, which is what we want;
+# a filter here (not catch_warnings) also covers the background writer's thread.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
 @dataclass
@@ -95,7 +98,7 @@ class _Tensors:
         }
         fqn_of = {param: name for name, param in params.items()}
         steps = []
-        for param, state in (optimizer.state.items() if optimizer is not None else ()):
+        for param, state in optimizer.state.items() if optimizer is not None else ():
             if not state:
                 continue
             fqn = fqn_of[param]
@@ -216,9 +219,10 @@ class AsyncCheckpointer:
 
     `save` copies the tensors to CPU memory (the step's values, whatever the optimizer
     does next) and returns; the files go to ``.tmp-step_N`` while training continues.
-    The rename that makes the checkpoint complete happens in `wait`, called by the next
-    `save` and at the end of the run, so a crash while writing leaves only a temporary
-    directory that is never resumed. Under torchrun the writer's collectives use their
+    The rename that makes the checkpoint complete happens in `wait`, which the trainer
+    calls as soon as every rank's `written()` is true (checked after each step), before
+    the next `save` and at the end of the run, so a crash while writing leaves only a
+    temporary directory that is never resumed. Under torchrun the writer's collectives use their
     own gloo group, apart from training's.
 
     Args:
@@ -253,10 +257,21 @@ class AsyncCheckpointer:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             future = dcp.async_save(
-                tensors, checkpoint_id=tmp, process_group=self._group,
+                tensors,
+                checkpoint_id=tmp,
+                process_group=self._group,
                 no_dist=not dist.is_initialized(),
             )
         self._pending = (future, step, train_state)
+
+    @property
+    def pending(self) -> bool:
+        """Whether a save was started and not yet completed."""
+        return self._pending is not None
+
+    def written(self) -> bool:
+        """Whether this rank's files of the pending save are all written (no wait)."""
+        return self._pending is not None and self._pending[0].done()
 
     def wait(self) -> Checkpoint | None:
         """Finishes the pending save, if any; returns the checkpoint it completed."""
@@ -286,12 +301,29 @@ def load_checkpoint(
     loaded = _Tensors(model, optimizer, for_load=True)
     tensors = loaded.tensors
     metadata = dcp.FileSystemReader(checkpoint.path).read_metadata()
-    missing = sorted(set(tensors) - set(metadata.state_dict_metadata))
+    saved = metadata.state_dict_metadata
+    missing = sorted(set(tensors) - set(saved))
     if missing:
         raise ValueError(
             f"checkpoint {checkpoint.path} lacks {len(missing)} tensor(s) the model needs, "
             f"e.g. {missing[:3]}; was it written for a different model config?"
         )
+    extra = sorted(k for k in set(saved) - set(tensors) if k.startswith("model/"))
+    if extra:
+        raise ValueError(
+            f"checkpoint {checkpoint.path} holds {len(extra)} model tensor(s) this model "
+            f"lacks, e.g. {extra[:3]}; resume with the checkpoint's model.* values (its "
+            "train_state.json has them) or use a new run_dir"
+        )
+    for key, tensor in tensors.items():
+        shape = getattr(saved[key], "size", None)
+        checked = key.startswith(("model/", "optim/")) and shape is not None
+        if checked and tuple(shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"checkpoint {checkpoint.path}: {key} has shape {tuple(shape)} but the "
+                f"model gives {tuple(tensor.shape)}; resume with the checkpoint's model.* "
+                "values (its train_state.json has them) or use a new run_dir"
+            )
     if "rng/cuda" in tensors and "rng/cuda" not in metadata.state_dict_metadata:
         del tensors["rng/cuda"]
     with warnings.catch_warnings():
@@ -324,6 +356,12 @@ def load_model_weights(model: nn.Module, canonical: dict[str, torch.Tensor], sou
     if missing:
         raise ValueError(
             f"{source} lacks {len(missing)} parameter(s) of the model, e.g. {missing[:3]}; "
+            "choose a recipe or model.* overrides that match the source's architecture"
+        )
+    extra = sorted(set(canonical) - set(targets))
+    if extra:
+        raise ValueError(
+            f"{source} holds {len(extra)} parameter(s) the model lacks, e.g. {extra[:3]}; "
             "choose a recipe or model.* overrides that match the source's architecture"
         )
     with torch.no_grad():

@@ -33,9 +33,10 @@ checkpoint in its run_dir; a changed config wins over the saved one.
 
 def _recipe_lines() -> str:
     lines = []
+    width = max(map(len, RECIPES)) + 2
     for name, fn in RECIPES.items():
         summary = (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
-        lines.append(f"  {name:<16}{summary}")
+        lines.append(f"  {name:<{width}}{summary}")
     return "\n".join(lines)
 
 
@@ -81,7 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     mt_to_hf.add_argument("--checkpoint", required=True, metavar="DIR", help="mt checkpoint")
     mt_to_hf.add_argument("--out", required=True, metavar="DIR", help="directory to write")
     mt_to_hf.add_argument(
-        "--max-shard-size", default="5GB", metavar="SIZE",
+        "--max-shard-size",
+        default="5GB",
+        metavar="SIZE",
         help="largest safetensors shard, e.g. 5GB, 500MB, 2GiB (default 5GB)",
     )
     gen = sub.add_parser(
@@ -93,8 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--checkpoint", required=True, metavar="DIR", help="mt checkpoint")
     gen.add_argument("--prompt", required=True, metavar="TEXT", help="text to continue")
     gen.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
-    gen.add_argument("--temperature", type=float, default=0.0, metavar="T",
-                     help="0 (default) decodes greedily")
+    gen.add_argument(
+        "--temperature", type=float, default=0.0, metavar="T", help="0 (default) decodes greedily"
+    )
     gen.add_argument("--top-p", type=float, default=0.9, metavar="P")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -106,8 +110,13 @@ def _generate(args: argparse.Namespace) -> int:
 
     try:
         text = generate(
-            args.checkpoint, args.prompt, max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature, top_p=args.top_p, seed=args.seed, device=args.device,
+            args.checkpoint,
+            args.prompt,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+            device=args.device,
         )
     except ValueError as err:
         print(f"mt-train: error: {err}", file=sys.stderr)

@@ -9,6 +9,7 @@ A run's configuration is a `JobConfig`: a recipe (a Python function in
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,10 +104,20 @@ class TrainingConfig:
                 f"training.micro_batch_size ({self.micro_batch_size}) must divide "
                 f"training.global_batch_size ({self.global_batch_size})"
             )
-        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
+        if not 0 < self.lr < math.inf or not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(
-                f"training.lr ({self.lr}) must be > 0 and training.min_lr_ratio "
+                f"training.lr ({self.lr}) must be finite and > 0 and training.min_lr_ratio "
                 f"({self.min_lr_ratio}) within [0, 1]"
+            )
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1 and 0 < self.eps < math.inf):
+            raise ValueError(
+                f"training.beta1 ({self.beta1}) and training.beta2 ({self.beta2}) must be in "
+                f"[0, 1) and training.eps ({self.eps}) finite and > 0"
+            )
+        if self.num_threads < 0 or not 0 <= self.weight_decay < math.inf:
+            raise ValueError(
+                f"training.num_threads ({self.num_threads}) and training.weight_decay "
+                f"({self.weight_decay}) must be >= 0 (num_threads 0: PyTorch's default)"
             )
         if self.warmup_steps < 0 or self.grad_clip < 0:
             raise ValueError(
@@ -147,10 +158,12 @@ class CheckpointConfig:
     Attributes:
         interval: save every this many steps (0: only at the end of the run).
         keep_last: complete checkpoints to keep (older ones are deleted).
-        resume: resume from the newest complete checkpoint in the run directory.
+        resume: resume from the newest complete checkpoint in the run directory (false
+            refuses a run directory that already holds checkpoints).
         async_save: write checkpoints in a background thread while training goes on
             (the tensors are copied to CPU memory first; the checkpoint becomes complete,
-            renamed into place, at the next save or at the end of the run).
+            renamed into place, at the first step boundary after every rank's files are
+            written).
     """
 
     interval: int = 0

@@ -18,8 +18,9 @@ from mt_models import MODEL_FAMILIES
 from mt_train.convert import read_mt_checkpoint, training_tokenizer
 
 
-def sample_next(logits_V: torch.Tensor, temperature: float, top_p: float,
-                generator: torch.Generator) -> int:
+def sample_next(
+    logits_V: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator
+) -> int:
     """Picks the next token: greedy at temperature 0, else nucleus (top-p) sampling.
 
     Args:
@@ -71,6 +72,8 @@ def generate(
             f"--max-new-tokens ({max_new_tokens}) must be >= 0, --top-p ({top_p}) in (0, 1] "
             f"and --temperature ({temperature}) >= 0"
         )
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA device is available here; use --device cpu")
     checkpoint = Path(checkpoint)
     model_config, canonical = read_mt_checkpoint(checkpoint)
     family = next(n for n, (cls, _) in MODEL_FAMILIES.items() if isinstance(model_config, cls))

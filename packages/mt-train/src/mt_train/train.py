@@ -135,9 +135,12 @@ def setup(cfg: JobConfig) -> TrainState:
             default_corpus_dir()
         barrier()
         data_dir = default_corpus_dir()
-    dataset = TokenDataset(
-        data_dir, cfg.data.seq_len, seed=cfg.seed, on_exhausted=cfg.data.on_exhausted
-    )
+    try:
+        dataset = TokenDataset(
+            data_dir, cfg.data.seq_len, seed=cfg.seed, on_exhausted=cfg.data.on_exhausted
+        )
+    except ValueError as e:
+        raise ValueError(f"data.path: {e}") from None
     if dataset.vocab_size is not None and dataset.vocab_size > cfg.model.vocab_size:
         raise ValueError(
             f"the corpus in {data_dir} uses a vocabulary of {dataset.vocab_size} tokens but "
@@ -152,8 +155,12 @@ def setup(cfg: JobConfig) -> TrainState:
     mesh = None
     if env.world_size > 1:
         mesh = parallelize(
-            model, dims, env.device, seed=cfg.seed,
-            param_dtype=autocast_dtype, reshard_after_forward=par.reshard_after_forward,
+            model,
+            dims,
+            env.device,
+            seed=cfg.seed,
+            param_dtype=autocast_dtype,
+            reshard_after_forward=par.reshard_after_forward,
             ep_async=par.ep_comm == "async",
         )
     else:
@@ -162,9 +169,20 @@ def setup(cfg: JobConfig) -> TrainState:
     optimizer = build_optimizer(model, cfg.training)
     val_dataset = None
     if cfg.validation.enabled:
-        val_dataset = TokenDataset(cfg.validation.path, cfg.data.seq_len, seed=cfg.seed)
+        try:
+            val_dataset = TokenDataset(cfg.validation.path, cfg.data.seq_len, seed=cfg.seed)
+        except ValueError as e:
+            raise ValueError(f"validation.path: {e}") from None
     state = TrainState(
-        cfg, model, optimizer, dataset, env, dims, mesh, autocast_dtype, val_dataset,
+        cfg,
+        model,
+        optimizer,
+        dataset,
+        env,
+        dims,
+        mesh,
+        autocast_dtype,
+        val_dataset,
         val_dataset.state_dict() if val_dataset is not None else None,
         flops_per_token=model.flops_per_token(cfg.data.seq_len),
         peak_flops=(
@@ -178,7 +196,16 @@ def setup(cfg: JobConfig) -> TrainState:
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
     barrier()
-    checkpoint = latest_checkpoint(checkpoint_root(run_dir)) if cfg.checkpoint.resume else None
+    latest = latest_checkpoint(checkpoint_root(run_dir))
+    if latest is not None and not cfg.checkpoint.resume:
+        # A fresh run here would mix its checkpoints and metrics with the earlier run's
+        # (and retention, which keeps the highest steps, would delete the new ones).
+        raise ValueError(
+            f"checkpoint.resume=false but {run_dir} already holds checkpoints of a run (the "
+            f"latest {latest.path.name}); choose a new run_dir, or resume with "
+            "checkpoint.resume=true"
+        )
+    checkpoint = latest
     if checkpoint is not None:
         _resume(state, checkpoint)
     elif cfg.init_from:
@@ -206,6 +233,11 @@ def _resume(state: TrainState, checkpoint) -> None:
     if changed:
         diff = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed)
         log.warning("config differs from the checkpoint; the new config wins: %s", diff)
+        if "seed" in changed:
+            log.warning(
+                "seed only seeds new runs: the data order and RNG state of a resumed run "
+                "continue from the checkpoint (seed %r)", old.get("seed")
+            )  # fmt: skip
     try:
         old_lr = lr_at(state.step + 1, JobConfig.from_dict(saved["config"]).training)
     except (ValueError, TypeError, KeyError):
@@ -233,9 +265,7 @@ def _peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def next_microbatches(
-    state: TrainState, dataset: TokenDataset | None = None
-) -> list[MicroBatch]:
+def next_microbatches(state: TrainState, dataset: TokenDataset | None = None) -> list[MicroBatch]:
     """Reads this rank's share of the next global batch, micro-batch by micro-batch.
 
     Each micro-batch holds `training.micro_batch_size` sequences over all dp·ep batch
@@ -255,10 +285,17 @@ def next_microbatches(
     cp_rank = state.mesh.rank("cp") if state.mesh else 0
     ranges = zigzag_ranges(cfg.data.seq_len, dims.cp, cp_rank) if dims.cp > 1 else None
     microbatches = []
+    position = dataset.state_dict()
     for _ in range(cfg.training.global_batch_size // micro):
-        rows = dataset.take(
-            micro, rank=batch_rank, world_size=dims.batch_ranks, token_ranges=ranges
-        )
+        try:
+            rows = dataset.take(
+                micro, rank=batch_rank, world_size=dims.batch_ranks, token_ranges=ranges
+            )
+        except DataExhausted:
+            # The batch is not trained: leave its first micro-batches unread too, so a
+            # checkpoint (or data.on_exhausted=repeat on resume) continues from here.
+            dataset.load_state_dict(position)
+            raise
         tokens = torch.from_numpy(rows).to(state.device, non_blocking=True)
         if ranges is None:
             microbatches.append(MicroBatch(tokens[:, :-1], tokens[:, 1:]))
@@ -306,8 +343,9 @@ def train_step(state: TrainState, microbatches: list[MicroBatch]) -> dict[str, A
         )
     else:
         state.skipped_steps += 1
-        log.warning("step %d: non-finite loss (%s) or grad norm (%s); step skipped",
-                    step, loss, grad_norm)
+        log.warning(
+            "step %d: non-finite loss (%s) or grad norm (%s); step skipped", step, loss, grad_norm
+        )
     state.optimizer.zero_grad(set_to_none=True)
     if state.fp8_cache is not None:
         # Quantize afresh next step; FSDP2 hides the update from the cache's version check.
@@ -362,8 +400,7 @@ def validate(state: TrainState) -> float:
         for _ in range(state.cfg.validation.steps):
             for mb in next_microbatches(state, state.val_dataset):
                 kwargs = {} if mb.positions is None else {"position_ids": mb.positions}
-                out = state.model.loss(mb.input_ids, mb.labels, ignore_index=IGNORE_INDEX,
-                                       **kwargs)
+                out = state.model.loss(mb.input_ids, mb.labels, ignore_index=IGNORE_INDEX, **kwargs)
                 ce_sum += out.ce_sum.double()
                 num_tokens += out.num_tokens
     state.model.train(was_training)
@@ -379,11 +416,16 @@ def _save(state: TrainState, writer: AsyncCheckpointer | None) -> None:
     }
     root = checkpoint_root(cfg.run_dir)
     if writer is not None:
+        _finish_pending_save(writer)
         writer.save(state.step, state.model, state.optimizer, train_state)
         log.info("saving checkpoint of step %d in the background", state.step)
         return
     checkpoint = save_checkpoint(
-        root, state.step, state.model, state.optimizer, train_state,
+        root,
+        state.step,
+        state.model,
+        state.optimizer,
+        train_state,
         keep_last=cfg.checkpoint.keep_last,
     )
     log.info("saved checkpoint %s", checkpoint.path)
@@ -393,6 +435,16 @@ def _finish_pending_save(writer: AsyncCheckpointer | None) -> None:
     checkpoint = writer.wait() if writer is not None else None
     if checkpoint is not None:
         log.info("saved checkpoint %s", checkpoint.path)
+
+
+def _finish_written_save(state: TrainState, writer: AsyncCheckpointer | None) -> None:
+    """Completes a background save once every rank has written its files, so a crash
+    after that loses nothing (all ranks agree, as completing it is collective)."""
+    if writer is None or not writer.pending:
+        return
+    unfinished = torch.tensor(0 if writer.written() else 1, device=state.device)
+    if int(all_reduce(unfinished, "max")) == 0:
+        _finish_pending_save(writer)
 
 
 def pretrain(cfg: JobConfig, *, stream: TextIO | None = None) -> TrainState:
@@ -410,7 +462,10 @@ def pretrain(cfg: JobConfig, *, stream: TextIO | None = None) -> TrainState:
     if state.step >= max_steps:
         log.warning(
             "the run in %s is already at step %d (training.max_steps=%d); nothing to do. "
-            "Raise training.max_steps to continue it.", cfg.run_dir, state.step, max_steps,
+            "Raise training.max_steps to continue it.",
+            cfg.run_dir,
+            state.step,
+            max_steps,
         )
         return state
     metrics = None
@@ -421,8 +476,13 @@ def pretrain(cfg: JobConfig, *, stream: TextIO | None = None) -> TrainState:
         metrics = MetricsLogger(cfg.run_dir, max_steps, state.step, cfg.log_every, stream, sinks)
     last_saved = state.step
     prof = cfg.profile
-    profiler = StepProfiler(cfg.run_dir, state.env.rank, parse_trace_steps(prof.trace_steps),
-                            prof.memory_snapshot, prof.nvtx)
+    profiler = StepProfiler(
+        cfg.run_dir,
+        state.env.rank,
+        parse_trace_steps(prof.trace_steps),
+        prof.memory_snapshot,
+        prof.nvtx,
+    )
     writer = (
         AsyncCheckpointer(checkpoint_root(cfg.run_dir), cfg.checkpoint.keep_last)
         if cfg.checkpoint.async_save
@@ -434,8 +494,9 @@ def pretrain(cfg: JobConfig, *, stream: TextIO | None = None) -> TrainState:
                 try:
                     microbatches = next_microbatches(state)
                 except DataExhausted:
-                    log.warning("the data ran out at step %d (data.on_exhausted='stop')",
-                                state.step)
+                    log.warning(
+                        "the data ran out at step %d (data.on_exhausted='stop')", state.step
+                    )
                     break
                 with profiler.step(state.step + 1):
                     try:
@@ -443,8 +504,11 @@ def pretrain(cfg: JobConfig, *, stream: TextIO | None = None) -> TrainState:
                     except NonFiniteError as err:
                         _finish_pending_save(writer)  # the last good state is complete
                         last = latest_checkpoint(checkpoint_root(cfg.run_dir))
-                        kept = (f"the newest checkpoint is {last.path} (step {last.step})"
-                                if last else "there is no checkpoint yet")
+                        kept = (
+                            f"the newest checkpoint is {last.path} (step {last.step})"
+                            if last
+                            else "there is no checkpoint yet"
+                        )
                         raise NonFiniteError(
                             f"{err}, so {kept}. Rerun to resume from it (perhaps with a "
                             "lower training.lr), or set training.on_nonfinite=skip to drop "
@@ -456,6 +520,7 @@ def pretrain(cfg: JobConfig, *, stream: TextIO | None = None) -> TrainState:
                 if metrics is not None:
                     metrics.log(step_metrics)
                 state.stop_requested = agree_to_stop(state)
+                _finish_written_save(state, writer)
                 interval = cfg.checkpoint.interval
                 if interval and state.step % interval == 0:
                     _save(state, writer)
