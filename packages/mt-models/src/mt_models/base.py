@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from mt_models.accounting import FlopsAndParams
 from mt_models.layers.experts import GroupedExperts
@@ -389,19 +391,33 @@ class CausalLM(nn.Module):
         of sha256(f"{seed}/{canonical_name}"), then copied into the parameter (any device
         and dtype). Stacked experts are drawn expert by expert under their per-expert Hub
         names, so expert e's weights do not depend on how many experts a module holds.
-        Works after ``to_empty`` from a meta-device build.
+        Works after ``to_empty`` from a meta-device build, also on FSDP2-sharded
+        parameters (DTensors): each rank draws a parameter whole and keeps its shard, so
+        the model never needs to be unsharded on one device.
 
         Args:
             seed: The run's seed.
         """
-        for name, tensor in self.canonical_parameters().items():
-            rule, std = self.init_rule(name)
-            if rule == "ones":
-                tensor.fill_(1.0)
-            elif rule == "zeros":
-                tensor.zero_()
-            else:
-                values = torch.randn(
-                    tensor.shape, generator=_generator_for(seed, name), dtype=torch.float32
+        for fqn, param in self.named_parameters():
+            # The whole parameter in fp32 on the CPU, one at a time, so a sharded
+            # parameter gets the same values as an unsharded one.
+            full = torch.empty(param.shape, dtype=torch.float32)
+            for name, tensor in self.to_canonical({fqn: full}).items():
+                rule, std = self.init_rule(name)
+                if rule == "ones":
+                    tensor.fill_(1.0)
+                elif rule == "zeros":
+                    tensor.zero_()
+                else:
+                    values = torch.randn(
+                        tensor.shape, generator=_generator_for(seed, name), dtype=torch.float32
+                    )
+                    tensor.copy_(values * std)
+            if isinstance(param, DTensor):  # FSDP2 shards: this rank's piece only
+                shape, offset = compute_local_shape_and_global_offset(
+                    param.shape, param.device_mesh, param.placements
                 )
-                tensor.copy_(values * std)
+                piece = full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+                param.to_local().copy_(piece)
+            else:
+                param.copy_(full)

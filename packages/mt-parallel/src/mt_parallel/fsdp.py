@@ -30,7 +30,8 @@ def apply_fsdp(
     reduce_dtype: torch.dtype | None = torch.float32,
     reshard_after_forward: bool = True,
 ) -> None:
-    """Shards a materialized model with FSDP2: experts, then each layer, then the root.
+    """Shards a model with FSDP2 (on the meta device or materialized): experts, then each
+    layer, then the root.
 
     Args:
         model: an mt-models causal LM (after expert parallelism, if any).

@@ -1,9 +1,10 @@
 """Turning a plain mt-models model into a (dp, cp, ep)-parallel one, and slicing batches.
 
 Order (ARCHITECTURE.md §3, §5): build on meta → give each EP rank its experts and an
-expert-parallel dispatcher → swap in the context-parallel attention core → materialize
-→ `init_weights(seed)` (a function of the seed and the canonical names alone, so every
-layout starts from the one-process weights) → FSDP2.
+expert-parallel dispatcher → swap in the context-parallel attention core → FSDP2 (on
+meta) → materialize the shards → `init_weights(seed)` (a function of the seed and the
+canonical names alone, drawn whole and cut to each rank's shard, so every layout starts
+from the one-process weights and no rank holds the unsharded model).
 
 Batches: a step's global batch is split into micro-batches of `micro_batch` sequences
 counted over all dp·ep batch ranks; batch rank b takes rows [b·m, (b+1)·m) of each
@@ -84,8 +85,6 @@ def parallelize(
         apply_expert_parallel(model, mesh.group("ep"), async_comm=ep_async)
     if dims.cp > 1:
         apply_context_parallel(model, mesh.group("cp"))
-    model.to_empty(device=device)
-    model.init_weights(seed)
     if hasattr(model, "router_stats_reducer"):
         model.router_stats_reducer = partial(
             reduce_router_stats,
@@ -100,6 +99,10 @@ def parallelize(
         reduce_dtype=reduce_dtype,
         reshard_after_forward=reshard_after_forward,
     )
+    # Sharded while still on the meta device, then materialized and initialized shard by
+    # shard: no rank ever holds the unsharded model.
+    model.to_empty(device=device)
+    model.init_weights(seed)
     return mesh
 
 
