@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -48,8 +50,17 @@ def _entry(
     dist.init_process_group(backend, rank=rank, world_size=world_size)
     try:
         fn(*args, **kwargs)
-    finally:
+    except BaseException:
+        if backend == "nccl":
+            # A peer may be blocked in a collective this rank will never join; tearing
+            # NCCL down would wait for it (until the 10-minute watchdog). Report and leave:
+            # spawn then stops the other ranks.
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
         dist.destroy_process_group()
+        raise
+    dist.destroy_process_group()
 
 
 def spawn(
