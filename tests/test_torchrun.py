@@ -1,7 +1,8 @@
 """`mt_train pretrain` under torchrun (gloo, CPU) tracks the one-process run.
 
-One run in one process is the reference. A two-process expert-parallel run stops at
-step 3; it is resumed under another layout (cp = 2) to step 5. Every step's loss must
+One run in one process is the reference. A two-process context-parallel run stops at
+step 3; it is resumed under another layout (ep = 2, each rank holding half the experts of
+the checkpoint) to step 5. Every step's loss must
 equal the reference's within 1e-5 relative: the layouts compute the same global-batch
 gradient, and the checkpoint is layout-free.
 """
@@ -41,8 +42,8 @@ def _run(args, nproc=1):
 def test_torchrun_layouts_and_a_layout_change_on_resume_track_one_process(tmp_path):
     _run([f"run_dir={tmp_path / 'one'}"])
     reference = _losses(tmp_path / "one")
-    _run([f"run_dir={tmp_path / 'par'}", "parallel.ep=2", "training.max_steps=3"], nproc=2)
-    resumed = _run([f"run_dir={tmp_path / 'par'}", "parallel.cp=2"], nproc=2)
+    _run([f"run_dir={tmp_path / 'par'}", "parallel.cp=2", "training.max_steps=3"], nproc=2)
+    resumed = _run([f"run_dir={tmp_path / 'par'}", "parallel.ep=2"], nproc=2)
     assert "resumed from" in resumed.stderr
     losses = _losses(tmp_path / "par")
     assert len(losses) == len(reference) == 5

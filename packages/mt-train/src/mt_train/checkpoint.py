@@ -142,6 +142,16 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _keys_of_all_ranks(keys: set[str]) -> set[str]:
+    """The union over ranks of `keys` (under expert parallelism each rank names only its
+    own experts; the model as a whole has them all)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return keys
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sorted(keys))
+    return set().union(*gathered)
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -308,7 +318,8 @@ def load_checkpoint(
             f"checkpoint {checkpoint.path} lacks {len(missing)} tensor(s) the model needs, "
             f"e.g. {missing[:3]}; was it written for a different model config?"
         )
-    extra = sorted(k for k in set(saved) - set(tensors) if k.startswith("model/"))
+    model_keys = _keys_of_all_ranks({k for k in tensors if k.startswith("model/")})
+    extra = sorted(k for k in set(saved) - model_keys if k.startswith("model/"))
     if extra:
         raise ValueError(
             f"checkpoint {checkpoint.path} holds {len(extra)} model tensor(s) this model "
@@ -358,7 +369,7 @@ def load_model_weights(model: nn.Module, canonical: dict[str, torch.Tensor], sou
             f"{source} lacks {len(missing)} parameter(s) of the model, e.g. {missing[:3]}; "
             "choose a recipe or model.* overrides that match the source's architecture"
         )
-    extra = sorted(set(canonical) - set(targets))
+    extra = sorted(set(canonical) - _keys_of_all_ranks(set(targets)))
     if extra:
         raise ValueError(
             f"{source} holds {len(extra)} parameter(s) the model lacks, e.g. {extra[:3]}; "
