@@ -313,8 +313,43 @@ def test_shards_an_earlier_build_no_longer_lists_are_removed_and_never_read(tmp_
     assert sorted(summary.removed) == sorted(s.name for s in first.shards)
     names = sorted(p.name for p in (tmp_path / "out").glob("*.idx"))
     assert names == ["a.idx", "m.idx"]  # a shard without a build record is left alone
-    dataset = TokenDataset(tmp_path / "out", seq_len=4)
+    with pytest.warns(UserWarning, match=r"shards \['m'\] are not in its manifest.json"):
+        dataset = TokenDataset(tmp_path / "out", seq_len=4)
     assert dataset.num_tokens == summary.num_tokens  # the manifest's shards only
+
+
+def test_a_failed_rebuild_keeps_the_old_corpus_unless_it_rewrote_one_of_its_shards(tmp_path):
+    from mt_data import TokenDataset
+
+    a = write_jsonl(tmp_path / "a.jsonl", TEXTS_A)
+    b = write_jsonl(tmp_path / "b.jsonl", TEXTS_B)
+    bad = tmp_path / "c.jsonl"
+    bad.write_bytes(b'{"text": "fine"}\n{"text": broken\n')
+    out = tmp_path / "out"
+    tokens = _build([a, b], out).num_tokens
+    for inputs in ([a, b, bad], [a, bad]):  # adding a shard fails; b is not dropped either
+        with pytest.raises(CorpusError):
+            _build(inputs, out, on_error="fail")
+        assert TokenDataset(out, seq_len=4).num_tokens == tokens
+    with open(b, "ab") as f:  # b changes and then fails: its listed shard is being rewritten
+        f.write(b'{"text": broken\n')
+    with pytest.raises(CorpusError):
+        _build([a, b], out, on_error="fail")
+    with pytest.raises(ValueError, match="has not finished"):
+        TokenDataset(out, seq_len=4)
+
+
+def test_a_file_system_without_flock_builds_with_a_warning(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    def no_flock(fd, op):
+        raise OSError(errno.EBADF, "Bad file descriptor")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    a = write_jsonl(tmp_path / "a.jsonl", TEXTS_A)
+    with pytest.warns(UserWarning, match="cannot lock the directory"):
+        assert _build([a], tmp_path / "out").num_documents == len(TEXTS_A)
 
 
 def test_an_unfinished_build_is_refused_by_readers(tmp_path):

@@ -17,10 +17,12 @@ complete (both files, a clean index and the record) and whose input is unchanged
 rebuilds the others, so the final directory is byte-identical to an uninterrupted
 build's.
 
-One build at a time writes a directory (an exclusive `flock` on it). The
-manifest is removed when a build starts and written when it ends, so readers refuse a
-directory whose build has not finished; shards of earlier builds that this build no
-longer lists are removed with their records.
+One build at a time writes a directory (an exclusive `flock` on it, where the file
+system supports one). When a build rewrites a shard the old manifest lists, it removes
+that manifest first, so readers refuse the directory until the new one is written;
+a build that only adds shards leaves the old corpus readable. Shards of earlier builds
+that the new manifest no longer lists are removed, with their records, after it is
+written.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import os
 import signal
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -155,6 +158,11 @@ def build_lock(out: Path) -> Iterator[None]:
                 f"{out}: another mt-data build is writing this directory; wait for it to "
                 "finish or choose another output directory"
             ) from None
+        except OSError as e:  # NFS (flock on a read-only fd), Lustre without flock, ...
+            warnings.warn(
+                f"{out}: cannot lock the directory ({e}); make sure no other build writes it",
+                stacklevel=3,
+            )
         yield
     finally:
         os.close(fd)
@@ -311,9 +319,11 @@ def build_corpus(
                 done[i] = summary
             else:
                 jobs.append((path, out / name))
-        # From here until the new manifest the directory is an unfinished build.
-        (out / MANIFEST_NAME).unlink(missing_ok=True)
-        removed = remove_stale_shards(out, set(names))
+        if _replaces_listed_shard(out, [prefix.name for _, prefix in jobs]):
+            # A shard the manifest lists will be rewritten: until the new manifest the
+            # directory is an unfinished build (readers refuse it). Otherwise the old
+            # corpus stays readable while new shards are added, and after a failure.
+            (out / MANIFEST_NAME).unlink(missing_ok=True)
         total_bytes = sum(path.stat().st_size for path, _ in jobs)
         with BuildProgress(total_bytes, progress) as bar:
             built = iter(_run_jobs(jobs, spec, loaded, settings, text_key, on_error, workers, bar))
@@ -322,9 +332,17 @@ def build_corpus(
             loaded, shards, text_key=text_key, inputs=[str(f) for f in files], source="files"
         )
         write_manifest(out, manifest)
+        removed = remove_stale_shards(out, set(names))  # only once the new corpus stands
     return BuildSummary(
         output=out, shards=shards, seconds=time.perf_counter() - start, removed=removed
     )
+
+
+def _replaces_listed_shard(out: Path, names: list[str]) -> bool:
+    """Whether rebuilding shards `names` rewrites a shard that `out`'s manifest lists."""
+    manifest = read_manifest(out)
+    listed = {str(s.get("name")) for s in (manifest or {}).get("shards", []) if isinstance(s, dict)}
+    return bool(listed & set(names))
 
 
 def check_tokenizer(out: Path, tokenizer_sha256: str, tokenizer: Path) -> None:

@@ -2,7 +2,7 @@
 
     mt-data build INPUT... --tokenizer TOKENIZER --output DIR [--workers N]
                            [--text-key text] [--on-error skip|fail] [--eos-token TOKEN]
-                           [--bos [TOKEN]] [--no-progress]
+                           [--bos | --bos-token TOKEN] [--no-progress]
     mt-data inspect PATH [--tokenizer TOKENIZER] [--documents 1] [--characters 300]
     mt-data build-default --output DIR
 

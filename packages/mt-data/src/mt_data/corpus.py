@@ -21,6 +21,7 @@ G rows gathered in one pass (one column range), R rows of one shard, S document 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -37,8 +38,8 @@ _CHECK_CHUNK = 1 << 20
 
 def _directory_shards(path: Path) -> list[Path]:
     """A directory's shard prefixes, sorted by name: those its manifest.json lists (an
-    mt-data corpus), else every `*.idx` (a Megatron directory, or a hand-written
-    manifest that lists no shards)."""
+    mt-data corpus; other `*.idx` there are named in a warning), else every `*.idx` (a
+    Megatron directory, or a hand-written manifest that lists no shards)."""
     manifest = read_manifest(path)
     if manifest is None and (path / RECORD_DIR).is_dir():
         raise ValueError(
@@ -59,6 +60,13 @@ def _directory_shards(path: Path) -> list[Path]:
         raise ValueError(
             f"{path / MANIFEST_NAME} lists shards {missing} that are not in {path} (no .idx); "
             "rebuild the corpus"
+        )
+    unlisted = sorted({p.stem for p in path.glob("*.idx") if p.is_file()} - set(names))
+    if unlisted:  # a failed build's new shards, another tool's files, older mt-data's leftovers
+        warnings.warn(
+            f"{path}: shards {unlisted[:5]} are not in its {MANIFEST_NAME} and are not read; "
+            "rebuild with their inputs to include them, or delete them",
+            stacklevel=4,
         )
     return sorted(path / n for n in names)
 

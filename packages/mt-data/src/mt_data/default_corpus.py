@@ -143,8 +143,7 @@ def build_default_corpus(output: str | Path, *, progress: bool = False) -> Path:
     tokenizer = load_tokenizer(default_tokenizer_path())
     with build_lock(out):
         check_tokenizer(out, file_sha256(tokenizer.path), tokenizer.path)
-        (out / MANIFEST_NAME).unlink(missing_ok=True)
-        remove_stale_shards(out, set())
+        (out / MANIFEST_NAME).unlink(missing_ok=True)  # its stdlib shard is rewritten
         shard = build_documents(
             iter_default_documents(), tokenizer, out / DEFAULT_SHARD_NAME, progress=progress
         )
@@ -156,6 +155,7 @@ def build_default_corpus(output: str | Path, *, progress: bool = False) -> Path:
             python_version=f"{sys.version_info.major}.{sys.version_info.minor}",
         )
         write_manifest(out, manifest)
+        remove_stale_shards(out, set())
     return out
 
 
