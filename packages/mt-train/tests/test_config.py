@@ -48,7 +48,8 @@ def test_bad_values_fail_validation_with_the_rule():
     for bad, rule in (("training.lr=nan", "training.lr .nan. must be finite"),
                       ("training.beta2=1.5", "must be in .0, 1."),
                       ("training.num_threads=-3", "training.num_threads .-3. .* must be >= 0"),
-                      ("parallel.grad_reduce=never", "parallel.grad_reduce")):  # fmt: skip
+                      ("parallel.grad_reduce=never", "parallel.grad_reduce"),
+                      ("parallel.pp=2", "needs a pipeline schedule")):  # fmt: skip
         with pytest.raises(ValueError, match=rule):
             resolve_config(get_recipe("debug"), overrides=[bad])
 
