@@ -306,7 +306,7 @@ def build_corpus(
         "text_key": text_key,
     }
     with build_lock(out):
-        check_tokenizer(out, settings["tokenizer_sha256"], loaded.path)
+        previous = check_tokenizer(out, settings["tokenizer_sha256"], loaded.path)
         names = shard_names(files)
         done: dict[int, ShardSummary] = {}
         jobs: list[tuple[Path, Path]] = []
@@ -319,7 +319,7 @@ def build_corpus(
                 done[i] = summary
             else:
                 jobs.append((path, out / name))
-        if _replaces_listed_shard(out, [prefix.name for _, prefix in jobs]):
+        if _listed_shards(previous) & {prefix.name for _, prefix in jobs}:
             # A shard the manifest lists will be rewritten: until the new manifest the
             # directory is an unfinished build (readers refuse it). Otherwise the old
             # corpus stays readable while new shards are added, and after a failure.
@@ -338,15 +338,17 @@ def build_corpus(
     )
 
 
-def _replaces_listed_shard(out: Path, names: list[str]) -> bool:
-    """Whether rebuilding shards `names` rewrites a shard that `out`'s manifest lists."""
-    manifest = read_manifest(out)
-    listed = {str(s.get("name")) for s in (manifest or {}).get("shards", []) if isinstance(s, dict)}
-    return bool(listed & set(names))
+def _listed_shards(manifest: dict[str, Any] | None) -> set[str]:
+    """The shard names a manifest lists (none without one)."""
+    shards = (manifest or {}).get("shards", [])
+    return {str(s.get("name")) for s in shards if isinstance(s, dict)}
 
 
-def check_tokenizer(out: Path, tokenizer_sha256: str, tokenizer: Path) -> None:
+def check_tokenizer(out: Path, tokenizer_sha256: str, tokenizer: Path) -> dict[str, Any] | None:
     """Refuse to build into a corpus directory made with another tokenizer.
+
+    Returns:
+        The directory's manifest, or None.
 
     Raises:
         ValueError: If `out`'s manifest names a tokenizer with other bytes.
@@ -357,6 +359,7 @@ def check_tokenizer(out: Path, tokenizer_sha256: str, tokenizer: Path) -> None:
             f"{out / MANIFEST_NAME}: this directory holds a corpus built with tokenizer "
             f"{previous.get('tokenizer')}, not {tokenizer}; choose a new output directory"
         )
+    return previous
 
 
 def build_documents(

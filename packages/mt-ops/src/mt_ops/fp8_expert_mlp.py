@@ -314,6 +314,14 @@ def fp8_moe_swiglu_experts(
     )  # fmt: skip
 
 
+def _composed_mlp(x_RD, tokens_per_expert_E, projections) -> Tensor:
+    """``down(swiglu(gate(x), up(x)))`` through the modules themselves (no fusion)."""
+    gate_proj, up_proj, down_proj = projections
+    gate_RF = gate_proj(x_RD, tokens_per_expert_E)
+    up_RF = up_proj(x_RD, tokens_per_expert_E)
+    return down_proj(swiglu(gate_RF, up_RF), tokens_per_expert_E)
+
+
 def _composed_moe(x_TD, plan, topk_weights_TK, projections) -> Tensor:
     """permute → :func:`grouped_swiglu_mlp` (fused for FP8 projections) → unpermute."""
     y_RD = grouped_swiglu_mlp(permute(x_TD, plan), plan.tokens_per_expert_E, *projections)
@@ -366,9 +374,7 @@ def fp8_swiglu_experts_reference(
 ) -> Tensor:
     """Reference of :func:`fp8_swiglu_experts`: the unfused composition of the modules."""
     _check(x_RD, tokens_per_expert_E, gate_proj, up_proj, down_proj)
-    gate_RF = gate_proj(x_RD, tokens_per_expert_E)
-    up_RF = up_proj(x_RD, tokens_per_expert_E)
-    return down_proj(swiglu(gate_RF, up_RF), tokens_per_expert_E)
+    return _composed_mlp(x_RD, tokens_per_expert_E, (gate_proj, up_proj, down_proj))
 
 
 def grouped_swiglu_mlp(
@@ -400,6 +406,4 @@ def grouped_swiglu_mlp(
     projections = (gate_proj, up_proj, down_proj)
     if _fusable(projections):
         return fp8_swiglu_experts(x_RD, tokens_per_expert_E, *projections)
-    gate_RF = gate_proj(x_RD, tokens_per_expert_E)
-    up_RF = up_proj(x_RD, tokens_per_expert_E)
-    return down_proj(swiglu(gate_RF, up_RF), tokens_per_expert_E)
+    return _composed_mlp(x_RD, tokens_per_expert_E, projections)
