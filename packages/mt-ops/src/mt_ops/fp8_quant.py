@@ -11,8 +11,11 @@ exact, so dequantization is exact and the scale fits Blackwell's E8M0 format (an
 exponent, stored here as ``torch.float8_e8m0fnu``) as well as fp32 on Hopper. ``k`` is read
 straight off the fp32 bits of ``amax`` (448 = 1.75·2**8): ``k = exponent(amax) - 8``, plus
 one when the mantissa of ``amax`` exceeds 1.75; no division, so kernel and reference agree
-bit for bit. An all-zero tile gets scale 1. Values are clamped to ±448 before the cast,
-because PyTorch 2.11's cast to ``float8_e4m3fn`` turns overflow into NaN.
+bit for bit. An all-zero tile gets scale 1. The references clamp to ±448 before the cast,
+because PyTorch 2.11's cast to ``float8_e4m3fn`` turns overflow into NaN. The kernels need
+no clamp: a finite scaled value never exceeds 448, and their conversion saturates ±inf to
+±448 as the clamp does (removing the clamps cut the dual kernel from 20 to 16 instructions
+per element; its time on the H200 did not change).
 
 Eager PyTorch needs an abs, an amax, a division and a cast, each a pass over memory; the
 kernels read each element once and write fp8 data and scales in the same pass. The dual
@@ -204,14 +207,14 @@ def _quantize_store_dual(
     if ROWWISE:
         k = _pow2_exponent_tl(tl.max(tl.abs(x), axis=1))  # [BLOCK_M]
         inv = ((127 - k) << 23).to(tl.float32, bitcast=True)
-        q = tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0)
+        q = x * inv[:, None]
         q_offs = rows64[:, None] * num_cols + cols[None, :]
         tl.store(q_ptr + q_offs, q.to(q_ptr.dtype.element_ty), mask=mask)
         _store_scale(s_ptr, rows64 * num_col_tiles + pid_k, k, row_ok, E8M0)
     if COLWISE:
         kc = _pow2_exponent_tl(tl.max(tl.abs(x), axis=0))  # [BLOCK_K]
         inv_c = ((127 - kc) << 23).to(tl.float32, bitcast=True)
-        qc = tl.minimum(tl.maximum(x * inv_c[None, :], -448.0), 448.0)
+        qc = x * inv_c[None, :]
         # This tile owns columns [128·pid_m, 128·pid_m + 128) of x^T; rows past the tile
         # end were loaded as 0 and are written as zero padding.
         tile_cols = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -315,7 +318,7 @@ def _quant_1x128_rows_kernel(
     x = tl.load(x_ptr + rows64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     k = _pow2_exponent_tl(tl.max(tl.abs(x), axis=2))  # [BLOCK_M, C]
     inv = ((127 - k) << 23).to(tl.float32, bitcast=True)
-    q = tl.minimum(tl.maximum(x * inv[:, :, None], -448.0), 448.0)
+    q = x * inv[:, :, None]
     tl.store(q_ptr + rows64 * num_cols + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     s_rows = rows.to(tl.int64)[:, None]
     s_mask = (s_rows < num_rows) & (tiles[None, :] < num_col_tiles)
@@ -533,16 +536,18 @@ def _padded_column(tiles: RowTiles, tile_R: Tensor) -> Tensor:
     return BLOCK * tile_R + rows_R - tiles.start_T.long()[tile_R]
 
 
-# One program per 128×128 block of one group's weight. The transposed copy (for dgrad) is
-# the same blocks transposed (a 128×128 block's scale is symmetric), made by PyTorch from the
-# result: storing the fp8 tile a second time, transposed, from this kernel gave wrong bytes
-# on the H200 (Triton 3.6; 25% of bytes differed, NaNs included; bench_ops_fp8_check.py),
-# while the fused-transposed activation kernel above is bit-exact. Weights are quantized
-# once per optimizer step, so the extra byte copy costs little.
+# One program per 128×128 block of one group's weight. With TRANSPOSE the program also writes
+# the block's transpose (for dgrad; a 128×128 block's scale is symmetric), quantized from a
+# second, transposed load of the block, which the first load has just brought into L2. H200
+# ([128, 1536, 2048] fp32, both copies): 617 us = 0.92x copy bandwidth at 8 warps, against
+# 2710 us when PyTorch transposed the fp8 result. Storing the quantized tile a second time
+# through transposed offsets ran 561 us but gave wrong bytes at this size (bit-exact at
+# [3, 200, 330]), both from Triton and from a Gluon kernel with explicit layouts
+# (bench_ops_fp8_check.py keeps checking the transposed result against the reference).
 @triton.jit
 def _quant_128x128_kernel(
-    w_ptr, q_ptr, s_ptr, num_rows, num_cols, num_row_blocks, num_col_blocks,
-    E8M0: tl.constexpr, BLOCK_N: tl.constexpr,
+    w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, num_rows, num_cols, num_row_blocks, num_col_blocks,
+    E8M0: tl.constexpr, TRANSPOSE: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -554,17 +559,19 @@ def _quant_128x128_kernel(
     w = tl.load(w_ptr + base + rows[:, None] * num_cols + cols[None, :], mask=mask, other=0.0)
     w = w.to(tl.float32)
     amax = tl.max(tl.max(tl.abs(w), axis=1), axis=0)
-    bits = amax.to(tl.int32, bitcast=True)
-    k = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-    k = tl.where(amax == 0.0, 0, tl.maximum(k, -126))
+    k = _pow2_exponent_tl(amax)
     inv = ((127 - k) << 23).to(tl.float32, bitcast=True)
-    q = tl.minimum(tl.maximum(w * inv, -448.0), 448.0).to(q_ptr.dtype.element_ty)
+    q = (w * inv).to(q_ptr.dtype.element_ty)
     tl.store(q_ptr + base + rows[:, None] * num_cols + cols[None, :], q, mask=mask)
-    s_offs = g * num_row_blocks * num_col_blocks + pid_n * num_col_blocks + pid_k
-    if E8M0:
-        tl.store(s_ptr + s_offs, (k + 127).to(tl.uint8))
-    else:
-        tl.store(s_ptr + s_offs, ((k + 127) << 23).to(tl.float32, bitcast=True))
+    num_blocks = num_row_blocks * num_col_blocks
+    _store_scale(s_ptr, g * num_blocks + pid_n * num_col_blocks + pid_k, k, None, E8M0)
+    if TRANSPOSE:  # qt [K, N]: row c of the block is column c of w
+        mask_t = (cols < num_cols)[:, None] & (rows < num_rows)[None, :]
+        w_t = tl.load(w_ptr + base + rows[None, :] * num_cols + cols[:, None], mask=mask_t,
+                      other=0.0)  # fmt: skip
+        q_t = (w_t.to(tl.float32) * inv).to(qt_ptr.dtype.element_ty)
+        tl.store(qt_ptr + base + cols[:, None] * num_rows + rows[None, :], q_t, mask=mask_t)
+        _store_scale(st_ptr, g * num_blocks + pid_k * num_row_blocks + pid_n, k, None, E8M0)
 
 
 def quantize_128x128(
@@ -576,7 +583,7 @@ def quantize_128x128(
         w: Weight [N, K] or [E, N, K], contiguous.
         scale_format: ``"fp32"`` or ``"e8m0"``.
         transpose: Also return the quantized transpose (for dgrad): the same blocks and
-            scales, transposed (a byte copy; see the note above the kernel).
+            scales, transposed, written by the same pass.
 
     Returns:
         ``(blocks, transposed)``: data like ``w`` with scales [(E,) ceil(N/128), ceil(K/128)],
@@ -600,16 +607,18 @@ def _launch_128x128(w, scale_format, transpose):
     nb, kb = cdiv(num_rows, BLOCK), cdiv(num_cols, BLOCK)
     q = torch.empty(w3.shape, dtype=_FP8, device=w.device)
     s = _empty_scales((groups, nb, kb), scale_format, w.device)
+    qt_shape = (groups, num_cols, num_rows) if transpose else (0,)
+    qt = torch.empty(qt_shape, dtype=_FP8, device=w.device)
+    st = _empty_scales((groups, kb, nb) if transpose else (0,), scale_format, w.device)
     launch(
-        _quant_128x128_kernel, (nb, kb, groups), w3, q, _scale_storage(s), num_rows, num_cols,
-        nb, kb, E8M0=scale_format == "e8m0", BLOCK_N=BLOCK, num_warps=8,
+        _quant_128x128_kernel, (nb, kb, groups), w3, q, _scale_storage(s), qt,
+        _scale_storage(st), num_rows, num_cols, nb, kb, E8M0=scale_format == "e8m0",
+        TRANSPOSE=transpose, BLOCK_N=BLOCK, num_warps=8,
     )  # fmt: skip
     squeeze = (lambda t: t[0]) if w.dim() == 2 else (lambda t: t)
     blocks = Fp8Quantized(squeeze(q), squeeze(s))
     if not transpose:
         return blocks, None
-    qt = q.transpose(1, 2).contiguous()  # see the note above _quant_128x128_kernel
-    st = _scale_storage(s).transpose(1, 2).contiguous().view(s.dtype)
     return blocks, Fp8Quantized(squeeze(qt), squeeze(st))
 
 
