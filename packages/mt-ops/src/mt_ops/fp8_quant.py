@@ -250,6 +250,14 @@ def _quantize_store_dual(
 # pointers (616 B of spills) ran 487 us, having lost the stores' alignment facts; keeping
 # the tile in bf16 (amaxes in bf16, fp32 only per product; bit-exact) ran 378-439 us against
 # 322-343, the conversions done twice costing more than the halved live tile saved.
+# Also measured and not kept (H200, 2026-11-30, library 322-345 us here): Gluon kernels with
+# explicit layouts (16 or 8 rows x 8-16 columns per thread, registers walking rows for the
+# transposed store, so it writes 8-16-byte vectors with no shared-memory conversion; no
+# spills) ran 354-578 us; a persistent kernel reading tiles through pipelined TMA loads
+# (1-3 stages, 1-3 programs per SM) 520-853 us; 8 or 16 warps, or 4 warps capped at 128
+# registers (4 programs per SM), 350-640 us. Nsight Compute on the library kernel: 74% SM
+# and 68% memory throughput, 12 warps per SM (163 registers); dropping the ±448 clamps cut
+# its instructions from 20 to 16 per element and left its time unchanged.
 QUANT_CONFIG = {
     "rows_block_m": 8, "rows_col_tiles": 8, "rows_warps": 4, "dual_warps": 4,
     "dual_trans_store": False,
