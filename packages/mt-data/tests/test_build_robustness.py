@@ -125,6 +125,61 @@ def test_a_build_killed_at_random_points_resumes_to_byte_identical_output(tmp_pa
     assert _tree(out) == expected
 
 
+def _starting_worker(parent: int) -> int | None:
+    """A spawned worker of process `parent` that is starting: its Python has installed its
+    SIGINT handler (KeyboardInterrupt), its initializer has not yet ignored SIGINT."""
+    sigint = 1 << (signal.SIGINT - 1)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            if ppid != parent or b"spawn_main" not in (stat.parent / "cmdline").read_bytes():
+                continue
+            status = (stat.parent / "status").read_text()
+        except (OSError, ValueError, IndexError):  # the process ended meanwhile
+            continue
+        masks = dict(line.split(":\t") for line in status.splitlines() if line.startswith("Sig"))
+        if int(masks["SigCgt"], 16) & sigint and not int(masks["SigIgn"], 16) & sigint:
+            return int(stat.parent.name)
+    return None
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc (Linux)")
+@pytest.mark.parametrize("presses", [1, 2], ids=["pressed-once", "pressed-twice"])
+def test_ctrl_c_while_workers_start_exits_130_with_one_message_and_no_worker_traceback(
+    tmp_path, presses
+):
+    # Ctrl-C signals the whole process group; a second press (or `uv run` without a
+    # terminal, which forwards SIGINT) reaches the main process while it stops the workers.
+    path = _write_jsonl(tmp_path / "in.jsonl", _documents(600_000))  # batches for 2 workers
+    out = tmp_path / "out"
+    process = subprocess.Popen(
+        _cli_build([path], out, "--workers", "2", "--no-progress"),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while _starting_worker(process.pid) is None:
+            assert process.poll() is None and time.monotonic() < deadline, "no starting worker"
+            time.sleep(0.002)
+        os.killpg(process.pid, signal.SIGINT)  # while the worker imports numpy, tokenizers
+        if presses == 2:
+            time.sleep(0.05)
+            process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert (process.returncode, stderr) == (
+        130,
+        "mt-data: interrupted; rerun the same command to resume\n",
+    )
+    assert not (out / "manifest.json").exists()
+    assert not [p.name for p in out.iterdir() if ".tmp" in p.name]
+
+
 def _zstd(texts: list[str], checksum: bool = False) -> bytes:
     data = "".join(json.dumps({"text": t}) + "\n" for t in texts).encode()
     return zstandard.ZstdCompressor(write_checksum=checksum).compress(data)

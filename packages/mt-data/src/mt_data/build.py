@@ -39,6 +39,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any, Literal
 
@@ -125,9 +126,46 @@ def _exit_when_orphaned(parent: int) -> None:
             os._exit(1)
 
 
+@contextmanager
+def _sigint_held() -> Iterator[None]:
+    """Hold Ctrl-C off while worker processes start or stop; raise it when the block ends.
+
+    Ctrl-C sends SIGINT to the whole process group; a second press, or `uv run` without a
+    terminal (it forwards SIGINT to its child), sends this process another.
+
+    - A spawned worker imports numpy, tokenizers and mt_data for up to a second before
+      `_init_builder_worker` can ignore SIGINT; a Ctrl-C then printed a KeyboardInterrupt
+      traceback from it. Children inherit the signal mask, so a worker started in this
+      block is born with SIGINT blocked, and its initializer drops a pending one.
+    - In this process (its main thread: no other gets KeyboardInterrupt), a Ctrl-C is
+      held to the end of the block, so a worker is never started without the pool
+      knowing it, and stopping the workers is not cut short: a worker still starting when
+      this process exits finds the pool's queues gone and prints a traceback.
+    """
+    # Started first: CPython's resource tracker blocks SIGINT while it starts itself, then
+    # unblocks it whatever the mask was, which would undo the mask below.
+    resource_tracker.ensure_running()
+    held: list[int] = []
+    main_thread = threading.current_thread() is threading.main_thread()
+    if main_thread:
+        handler = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        if main_thread:
+            signal.signal(signal.SIGINT, handler)  # runs the handler of a pending Ctrl-C first
+            if held:
+                signal.raise_signal(signal.SIGINT)  # KeyboardInterrupt, once for all held
+
+
 def _init_builder_worker(spec: TokenizerSpec, text_key: str, parent: int) -> None:
     # Ctrl-C goes to the whole process group; the main process handles it and stops us.
+    # SIGINT arrives blocked (`_sigint_held`); ignoring it drops a Ctrl-C pressed while
+    # this process was starting.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     # A worker waits on a queue it also holds a write end of, so it would sleep forever
     # after `kill -9` of the main process: watch the parent (its pid passed in, since the
     # main process may already be gone when this runs) and leave with it.
@@ -229,7 +267,8 @@ def _run_jobs(
             if isinstance(item, RawBatch):
                 path = str(jobs[index][0])
                 if executor is not None:
-                    item = executor.submit(worker_encode_batch, item, path)
+                    with _sigint_held():  # `submit` starts the workers, as needed
+                        item = executor.submit(worker_encode_batch, item, path)
                 else:
                     item = encode_batch(item, tokenizer, text_key, path)
             pending.append((index, item))
@@ -238,10 +277,11 @@ def _run_jobs(
         while pending:
             handle(*pending.popleft())
     finally:
-        if current is not None:
-            current.writer.abort()
-        if executor is not None:
-            executor.shutdown(wait=True, cancel_futures=True)
+        with _sigint_held():  # a second Ctrl-C must not cut the clean-up short
+            if current is not None:
+                current.writer.abort()
+            if executor is not None:
+                executor.shutdown(wait=True, cancel_futures=True)
     return summaries
 
 
