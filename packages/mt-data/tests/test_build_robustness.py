@@ -177,7 +177,7 @@ def test_ctrl_c_while_workers_start_exits_130_with_one_message_and_no_worker_tra
         "mt-data: interrupted; rerun the same command to resume\n",
     )
     assert not (out / "manifest.json").exists()
-    assert not [p.name for p in out.iterdir() if ".tmp" in p.name]
+    assert not [p.name for p in out.glob("*") if ".tmp" in p.name]
 
 
 def _zstd(texts: list[str], checksum: bool = False) -> bytes:
