@@ -188,6 +188,21 @@ def test_public_quantizers_fall_back_to_references_on_cpu():
     assert qt is None and q.shape == (16, 32)
 
 
+def test_quantizers_accept_any_stride_where_no_neighbour_is_read():
+    # One column (x.T of a row) and an empty tensor with zero strides are contiguous already.
+    column = torch.randn(1, 5).T  # [5, 1], strides (1, 5)
+    got = quantize_1x128(column)
+    expected = quantize_1x128_reference(column.clone(memory_format=torch.contiguous_format))
+    assert torch.equal(got.data.view(torch.uint8), expected.data.view(torch.uint8))
+    kernel_rows, _ = _launch_1x128_kernel_for_test(column, rows_only=True)
+    assert torch.equal(kernel_rows.scale, expected.scale)
+    empty = torch.empty_strided((0, 256), (0, 0))
+    rows, cols = quantize_1x128_dual(empty)
+    assert rows.data.shape == (0, 256) and cols.data.shape == (256, 0)
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        quantize_1x128(torch.randn(8, 256)[:, ::2])
+
+
 def test_quantize_rejects_unknown_scale_format():
     with pytest.raises(ValueError, match="scale_format"):
         quantize_1x128_dual(torch.randn(2, 8), scale_format="ue8m0")

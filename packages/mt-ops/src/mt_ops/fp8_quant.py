@@ -338,7 +338,10 @@ def _check_2d(x: Tensor, what: str) -> None:
         raise ValueError(
             f"{what} shape ({tuple(x.shape)}) must be 2-D [M, K]; flatten leading dims"
         )
-    if x.stride(-1) != 1:
+    # An empty tensor (autograd's gradient of an empty output has strides (0, 0)) or a
+    # single column reads no neighbouring element: any stride is fine, and .contiguous()
+    # would not change it.
+    if x.stride(-1) != 1 and x.numel() > 0 and x.shape[-1] > 1:
         raise ValueError(
             f"{what} must have a contiguous last dim (strides {x.stride()}); call .contiguous()"
         )
