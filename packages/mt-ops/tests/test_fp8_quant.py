@@ -203,6 +203,19 @@ def test_quantizers_accept_any_stride_where_no_neighbour_is_read():
         quantize_1x128(torch.randn(8, 256)[:, ::2])
 
 
+def test_dual_quantization_rejects_tiles_of_other_rows():
+    # On GPU the kernel would read and write the rows the tiles name, past the tensor's end.
+    x = torch.randn(10, 128)
+    with pytest.raises(ValueError, match="tiles cover 12 rows but the result has 10"):
+        quantize_1x128_dual(x, tiles=row_tiles(torch.tensor([6, 6]), 12))
+    with pytest.raises(ValueError, match="tiles cover 10 rows but the result has 3"):
+        quantize_1x128_dual(
+            x, tiles=row_tiles(torch.tensor([5, 5]), 10), source_rows=torch.tensor([0, 1, 2])
+        )
+    with pytest.raises(ValueError, match="groups hold 8 rows but x has 10"):
+        quantize_1x128_dual(x, tiles=row_tiles(torch.tensor([4, 4]), 10))
+
+
 def test_quantize_rejects_unknown_scale_format():
     with pytest.raises(ValueError, match="scale_format"):
         quantize_1x128_dual(torch.randn(2, 8), scale_format="ue8m0")
