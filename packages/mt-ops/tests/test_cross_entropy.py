@@ -69,6 +69,28 @@ def test_no_grad_call_returns_the_same_loss(small_chunks):
     torch.testing.assert_close(loss, ref)
 
 
+def test_no_grad_call_on_parameters_computes_no_gradients(small_chunks):
+    # Evaluation runs the loss under no_grad on parameters that require grad: only the
+    # logits matmul per chunk may run (no softmax-gradient matmuls, no fp32 [V, D] buffer).
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountMatmuls(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            CountMatmuls.calls += func is torch.ops.aten.mm.default
+            return func(*args, **(kwargs or {}))
+
+    hidden_TD, weight_VD, labels_T = _inputs(33, 16, 131, torch.float32)
+    hidden_TD.requires_grad_(True)
+    weight_VD.requires_grad_(True)
+    with torch.no_grad(), CountMatmuls():
+        loss, _ = linear_cross_entropy(hidden_TD, weight_VD, labels_T)
+    assert CountMatmuls.calls == 4  # 33 tokens in 10-token chunks: one matmul per chunk
+    ref, _ = linear_cross_entropy_reference(hidden_TD.detach(), weight_VD.detach(), labels_T)
+    torch.testing.assert_close(loss, ref)
+
+
 def test_linear_cross_entropy_rejects_labels_of_wrong_length():
     with pytest.raises(ValueError, match="labels shape"):
         linear_cross_entropy(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(5, dtype=int))

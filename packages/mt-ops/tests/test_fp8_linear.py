@@ -127,6 +127,36 @@ def test_converted_experts_stay_grouped_linears_and_a_second_conversion_changes_
     assert model.up_proj is converted[0] and model.proj is converted[1]
 
 
+def test_fp8_linears_take_the_zero_strided_gradient_of_an_empty_output():
+    # y.sum() of an empty y sends back a gradient with strides (0, 0), which is "contiguous"
+    # (no element), so .contiguous() keeps it: the quantizer must accept it, as nn.Linear does.
+    linear = FP8Linear.from_linear(nn.Linear(32, 16))
+    x = torch.randn(0, 32, requires_grad=True)
+    linear(x).sum().backward()
+    assert x.grad.shape == (0, 32) and torch.all(linear.weight.grad == 0)
+    experts = FP8GroupedLinear.from_grouped_linear(_grouped(3, 32, 16))
+    x = torch.randn(0, 32, requires_grad=True)
+    experts(x, torch.zeros(3, dtype=torch.int64)).sum().backward()
+    assert x.grad.shape == (0, 32) and torch.all(experts.weight.grad == 0)
+
+
+def test_fp8_linears_reject_counts_and_features_that_do_not_fit_as_grouped_linear_does():
+    # One count per expert: five counts for four experts would leave the fifth group's rows
+    # unwritten (zeros here, uninitialized memory on GPU); four counts for five groups of
+    # rows would run them through the wrong experts.
+    experts = FP8GroupedLinear.from_grouped_linear(_grouped(4, 32, 16, bias=False))
+    x = torch.randn(10, 32)
+    for counts in ([2, 2, 2, 2, 2], [4, 3, 3]):
+        with pytest.raises(ValueError, match=r"tokens_per_expert shape .* must be \[E\] = \[4\]"):
+            experts(x, torch.tensor(counts))
+    with pytest.raises(ValueError, match="must be .R, D. and .E, O, D."):
+        experts(torch.randn(10, 48), torch.tensor([4, 3, 3, 0]))
+    with pytest.raises(ValueError, match="must sum to the rows"):  # CPU: checked for free
+        experts(x, torch.tensor([4, 4, 4, 0]))
+    with pytest.raises(ValueError, match=r"x shape \(\(4, 64\)\) must end in in_features \(32\)"):
+        FP8Linear.from_linear(nn.Linear(32, 16))(torch.randn(4, 64))
+
+
 def test_deferred_fp8_linear_weight_grad_lands_on_the_parameter():
     torch.manual_seed(5)
     immediate = FP8Linear.from_linear(nn.Linear(128, 64))

@@ -188,6 +188,34 @@ def test_public_quantizers_fall_back_to_references_on_cpu():
     assert qt is None and q.shape == (16, 32)
 
 
+def test_quantizers_accept_any_stride_where_no_neighbour_is_read():
+    # One column (x.T of a row) and an empty tensor with zero strides are contiguous already.
+    column = torch.randn(1, 5).T  # [5, 1], strides (1, 5)
+    got = quantize_1x128(column)
+    expected = quantize_1x128_reference(column.clone(memory_format=torch.contiguous_format))
+    assert torch.equal(got.data.view(torch.uint8), expected.data.view(torch.uint8))
+    kernel_rows, _ = _launch_1x128_kernel_for_test(column, rows_only=True)
+    assert torch.equal(kernel_rows.scale, expected.scale)
+    empty = torch.empty_strided((0, 256), (0, 0))
+    rows, cols = quantize_1x128_dual(empty)
+    assert rows.data.shape == (0, 256) and cols.data.shape == (256, 0)
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        quantize_1x128(torch.randn(8, 256)[:, ::2])
+
+
+def test_dual_quantization_rejects_tiles_of_other_rows():
+    # On GPU the kernel would read and write the rows the tiles name, past the tensor's end.
+    x = torch.randn(10, 128)
+    with pytest.raises(ValueError, match="tiles cover 12 rows but the result has 10"):
+        quantize_1x128_dual(x, tiles=row_tiles(torch.tensor([6, 6]), 12))
+    with pytest.raises(ValueError, match="tiles cover 10 rows but the result has 3"):
+        quantize_1x128_dual(
+            x, tiles=row_tiles(torch.tensor([5, 5]), 10), source_rows=torch.tensor([0, 1, 2])
+        )
+    with pytest.raises(ValueError, match="groups hold 8 rows but x has 10"):
+        quantize_1x128_dual(x, tiles=row_tiles(torch.tensor([4, 4]), 10))
+
+
 def test_quantize_rejects_unknown_scale_format():
     with pytest.raises(ValueError, match="scale_format"):
         quantize_1x128_dual(torch.randn(2, 8), scale_format="ue8m0")

@@ -90,6 +90,12 @@ def test_plan_rejects_expert_ids_out_of_range():
         plan_dispatch(torch.tensor([[0, 4]]), num_experts=4)
 
 
+def test_plan_rejects_expert_ids_that_are_not_integers():
+    # .long() would truncate router weights to ids 0 and 1 without a word.
+    with pytest.raises(ValueError, match=r"topk_ids dtype \(torch.float32\) must be an integer"):
+        plan_dispatch(torch.tensor([[0.7, 1.2]]), 3)
+
+
 def test_unpermute_rejects_wrong_row_count():
     plan = plan_dispatch(torch.tensor([[0, 1]]), num_experts=2)
     with pytest.raises(ValueError, match="R=2"):

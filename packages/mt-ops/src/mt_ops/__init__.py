@@ -1,8 +1,13 @@
 """mt-ops: the ops of a mixture-of-experts training step, each beside a plain-PyTorch reference.
 
 Every public op has a ``<op>_reference`` with the same signature; on CUDA the public op
-runs a fused Triton kernel or a native PyTorch fast path, on CPU the reference (Triton's
-interpreter runs the kernels on CPU in tests).
+runs a fused Triton kernel or a native PyTorch fast path. On CPU no kernel runs: the MoE
+plan, permute/unpermute and the FP8 quantizers run their references, the FP8 GEMMs their
+exact emulation, attention SDPA (the reference for sinks and LSE requests), and the other
+ops the eager PyTorch their module docstrings name (SwiGLU, RMSNorm, the chunked
+cross-entropy, the grouped linears' per-expert loops; the fused FP8 expert MLP its autograd
+function over the emulated GEMMs). Triton's interpreter runs the kernels on CPU tensors in
+tests only.
 """
 
 from mt_ops.attention import apply_sinks, attention, attention_reference

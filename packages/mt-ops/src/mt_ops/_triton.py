@@ -3,11 +3,12 @@
 Kernels are written once with ``@triton.jit``. On a CUDA tensor they compile as usual; on
 CPU tensors (tests on a machine without a GPU) :func:`launch` runs the same kernel body
 through ``triton.runtime.interpreter``, without the process-wide ``TRITON_INTERPRET``
-variable, so CPU tests can exercise kernel logic while the training path on CPU uses the
-references. The interpreter is faithful for integer and fp32 arithmetic, loads, stores and
-fp8 -> fp32 conversion; it mis-rounds casts *to* fp8/bf16, so tests check those on GPU.
-Calls from a kernel to other ``@triton.jit`` functions (``tl.max`` is one) are routed to
-the interpreter for the duration of the launch only, and the patch is undone afterwards.
+variable, so CPU tests can exercise kernel logic while the training path on CPU runs
+eager PyTorch (see the package docstring). The interpreter is faithful for integer and fp32
+arithmetic, loads, stores and fp8 -> fp32 conversion; it mis-rounds casts *to* fp8/bf16,
+so tests check those on GPU. Calls from a kernel to other ``@triton.jit`` functions
+(``tl.max`` is one) are routed to the interpreter for the duration of the launch only, and
+the patch is undone afterwards.
 """
 
 from functools import cache

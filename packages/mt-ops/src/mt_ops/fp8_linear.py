@@ -40,6 +40,7 @@ from mt_ops.fp8_quant import (
     row_tiles,
 )
 from mt_ops.grouped_linear import GroupedLinear, segment_sum
+from mt_ops.grouped_linear import _check as _check_grouped_args
 
 __all__ = [
     "FP8GroupedLinear",
@@ -271,6 +272,8 @@ class FP8GroupedLinear(GroupedLinear):
         Returns:
             ``y`` [R, O] in the dtype of ``x_RD``.
         """
+        # As GroupedLinear: a count per expert (more counts would leave rows unwritten).
+        _check_grouped_args(x_RD, self.weight, tokens_per_expert_E)
         call = _Fp8Call(
             self.weight, _weight_source(self.weight_cache, self.scale_format), self.wgrad_queue,
             self.backend, self.scale_format,
@@ -333,6 +336,11 @@ class FP8Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """``x @ weight.T + bias`` in FP8, over any leading dims of ``x`` [..., D]."""
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"x shape ({tuple(x.shape)}) must end in in_features ({self.in_features}); "
+                "pass [..., in_features]"
+            )
         x_MD = _autocast_input(x).reshape(-1, self.in_features).contiguous()
         counts_1 = torch.full((1,), x_MD.shape[0], dtype=torch.int64, device=x.device)
         bias_1O = None if self.bias is None else self.bias.unsqueeze(0)

@@ -338,7 +338,10 @@ def _check_2d(x: Tensor, what: str) -> None:
         raise ValueError(
             f"{what} shape ({tuple(x.shape)}) must be 2-D [M, K]; flatten leading dims"
         )
-    if x.stride(-1) != 1:
+    # An empty tensor (autograd's gradient of an empty output has strides (0, 0)) or a
+    # single column reads no neighbouring element: any stride is fine, and .contiguous()
+    # would not change it.
+    if x.stride(-1) != 1 and x.numel() > 0 and x.shape[-1] > 1:
         raise ValueError(
             f"{what} must have a contiguous last dim (strides {x.stride()}); call .contiguous()"
         )
@@ -434,7 +437,7 @@ def quantize_1x128_dual(
     """
     _check_scale_format(scale_format)
     _check_2d(x_MK, "x")
-    _check_row_options(x_MK, source_rows, row_weights)
+    _check_row_options(x_MK, source_rows, row_weights, tiles)
     if not use_kernels(x_MK):
         return quantize_1x128_dual_reference(
             x_MK, tiles=tiles, scale_format=scale_format, source_rows=source_rows,
@@ -443,8 +446,18 @@ def quantize_1x128_dual(
     return _launch_1x128(x_MK, tiles, True, True, scale_format, source_rows, row_weights)
 
 
-def _check_row_options(x_MK: Tensor, source_rows: Tensor | None, row_weights: Tensor | None):
+def _check_row_options(
+    x_MK: Tensor,
+    source_rows: Tensor | None,
+    row_weights: Tensor | None,
+    tiles: RowTiles | None = None,
+):
     num_rows = x_MK.shape[0] if source_rows is None else source_rows.shape[0]
+    if tiles is not None and tiles.num_rows != num_rows:
+        raise ValueError(
+            f"tiles cover {tiles.num_rows} rows but the result has {num_rows}; build them "
+            "with row_tiles(tokens_per_expert, num_rows) for the rows quantized"
+        )
     if source_rows is not None and (source_rows.dim() != 1 or source_rows.is_floating_point()):
         raise ValueError(
             f"source_rows ({source_rows.dtype}, shape {tuple(source_rows.shape)}) must be a "
@@ -514,7 +527,7 @@ def quantize_1x128_dual_reference(
 ) -> tuple[Fp8Quantized, Fp8Quantized]:
     """Reference of :func:`quantize_1x128_dual` in plain PyTorch (same arguments and results)."""
     _check_scale_format(scale_format)
-    _check_row_options(x_MK, source_rows, row_weights)
+    _check_row_options(x_MK, source_rows, row_weights, tiles)
     if source_rows is not None:
         x_MK = x_MK.index_select(0, source_rows)
     if row_weights is not None:
@@ -528,6 +541,11 @@ def quantize_1x128_dual_reference(
             tiles.group_T[: cdiv(num_rows, BLOCK)], tiles.group_first_tile_G, num_rows,
         )  # fmt: skip
     tile_R = _tile_of_row(tiles)  # [M]
+    if tile_R.numel() != num_rows:  # (the GPU kernel cannot check this without a host sync)
+        raise ValueError(
+            f"the row tiles' groups hold {tile_R.numel()} rows but x has {num_rows}; "
+            "tokens_per_expert must sum to the rows"
+        )
     absx_MK = x_MK.float().abs()
     amax_TK = torch.zeros(tiles.num_tiles, num_cols, device=x_MK.device)
     amax_TK.scatter_reduce_(0, tile_R[:, None].expand(num_rows, num_cols), absx_MK, "amax")

@@ -72,6 +72,12 @@ def _check(topk_ids_TK: Tensor, num_experts: int, num_ranks: int | None) -> None
             f"topk_ids shape ({tuple(topk_ids_TK.shape)}) must be [T, K]; flatten batch "
             "and sequence into T"
         )
+    dtype = topk_ids_TK.dtype
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        raise ValueError(
+            f"topk_ids dtype ({dtype}) must be an integer type; pass the router's "
+            "top-k indices, not its weights"
+        )
     if num_experts < 1:
         raise ValueError(f"num_experts ({num_experts}) must be >= 1")
     if num_ranks is not None and (num_ranks < 1 or num_experts % num_ranks):
