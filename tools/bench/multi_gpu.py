@@ -148,6 +148,8 @@ def main() -> int:
     parser.add_argument("--throughput-batch", type=int, default=128,
                         help="global batch in sequences (micro-batches of 8 over all GPUs)")
     args = parser.parse_args()
+    if args.seed_tries < 1:
+        parser.error(f"--seed-tries ({args.seed_tries}) must be >= 1")
     chosen = args.real_recipes.split(",")
     if unknown := sorted(set(chosen) - set(_real_recipes(2))):
         parser.error(f"--real-recipes: unknown {unknown}; pick from {list(_real_recipes(2))}")
@@ -169,7 +171,7 @@ def main() -> int:
             f"pass (fp32, loss and grads within 1e-5, seed {seed})"
         )
         print(f"[equivalence] {n} GPUs, real presets x{args.real_layers} layers, "
-              f"layouts {LAYOUTS[n][:2]}: pass", flush=True)
+              f"layouts {LAYOUTS[n][:2]}: pass (seed {seed})", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         debug_sizes = [] if args.skip_training else sizes
         if debug_sizes:

@@ -212,7 +212,7 @@ def test_dual_quantization_rejects_tiles_of_other_rows():
         quantize_1x128_dual(
             x, tiles=row_tiles(torch.tensor([5, 5]), 10), source_rows=torch.tensor([0, 1, 2])
         )
-    with pytest.raises(ValueError, match="groups hold 8 rows but x has 10"):
+    with pytest.raises(ValueError, match="groups hold 8 rows but the result has 10"):
         quantize_1x128_dual(x, tiles=row_tiles(torch.tensor([4, 4]), 10))
 
 

@@ -37,7 +37,7 @@ import warnings
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
 from pathlib import Path
@@ -142,9 +142,6 @@ def _sigint_held() -> Iterator[None]:
       knowing it, and stopping the workers is not cut short: a worker still starting when
       this process exits finds the pool's queues gone and prints a traceback.
     """
-    # Started first: CPython's resource tracker blocks SIGINT while it starts itself, then
-    # unblocks it whatever the mask was, which would undo the mask below.
-    resource_tracker.ensure_running()
     held: list[int] = []
     main_thread = threading.current_thread() is threading.main_thread()
     if main_thread:
@@ -240,6 +237,9 @@ def _run_jobs(
             initializer=_init_builder_worker,
             initargs=(spec, text_key, os.getpid()),
         )
+        # Running before any `_sigint_held`: CPython's resource tracker blocks SIGINT while
+        # it starts itself, then unblocks it whatever the mask was.
+        resource_tracker.ensure_running()
     max_in_flight = 2 * workers + 2 if executor else 1
     pending: deque[tuple[int, Any]] = deque()
     summaries: list[ShardSummary] = []
@@ -277,7 +277,8 @@ def _run_jobs(
         while pending:
             handle(*pending.popleft())
     finally:
-        with _sigint_held():  # a second Ctrl-C must not cut the clean-up short
+        # A second Ctrl-C must not cut stopping the workers short.
+        with _sigint_held() if executor is not None else nullcontext():
             if current is not None:
                 current.writer.abort()
             if executor is not None:

@@ -15,7 +15,10 @@ bit for bit. An all-zero tile gets scale 1. The references clamp to ±448 before
 because PyTorch 2.11's cast to ``float8_e4m3fn`` turns overflow into NaN. The kernels need
 no clamp: a finite scaled value never exceeds 448, and their conversion saturates ±inf to
 ±448 as the clamp does (removing the clamps cut the dual kernel from 20 to 16 instructions
-per element; its time on the H200 did not change).
+per element; its time on the H200 did not change). NaN is the one input where kernels and
+references differ: both write a NaN element as NaN (the kernels' old clamp wrote -448), but
+the kernels' amax skips NaN, so the rest of the tile keeps its scale, while the
+references' amax is NaN, which gives the tile scale 2**120 and zeros elsewhere.
 
 Eager PyTorch needs an abs, an amax, a division and a cast, each a pass over memory; the
 kernels read each element once and write fp8 data and scales in the same pass. The dual
@@ -543,7 +546,7 @@ def quantize_1x128_dual_reference(
     tile_R = _tile_of_row(tiles)  # [M]
     if tile_R.numel() != num_rows:  # (the GPU kernel cannot check this without a host sync)
         raise ValueError(
-            f"the row tiles' groups hold {tile_R.numel()} rows but x has {num_rows}; "
+            f"the row tiles' groups hold {tile_R.numel()} rows but the result has {num_rows}; "
             "tokens_per_expert must sum to the rows"
         )
     absx_MK = x_MK.float().abs()

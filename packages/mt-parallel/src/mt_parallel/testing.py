@@ -262,8 +262,8 @@ def assert_same_routing(par_topk: list[torch.Tensor], ref_topk: list[torch.Tenso
     """Asserts equal top-k ids in every router call, with one message on every rank.
 
     A collective over the default group: each rank finds its first differing call and
-    all of them raise the same `RoutingNearTie`, naming every rank's (a different number
-    of router calls is a plain `AssertionError`). `spawn` reports
+    all of them raise the same `RoutingNearTie`, naming each differing rank's call (a
+    different number of router calls is a plain `AssertionError`). `spawn` reports
     whichever rank exits first, so a rank-local message would name a different call from
     run to run although the runs are bit-identical.
 
