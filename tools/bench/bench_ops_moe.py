@@ -1,8 +1,9 @@
 """MoE dispatch and loss benchmarks on one GPU, each against a baseline of the same run.
 
 - dispatch planning (per-expert counts, per-EP-rank deduplicated counts, counting sort,
-  inverse) against the eager sequence (bincount, stable argsort, inverse scatter, one-hot
-  rank dedup, sum, nonzero) at 16k tokens × top-8 of 128 experts on 8 EP ranks;
+  inverse) against the eager sequence that makes the same fields (bincount, stable argsort,
+  inverse scatter, scattered rank mask, sum) at 16k tokens × top-8 of 128 experts on 8 EP
+  ranks;
 - permute and unpermute (forward and backward) GB/s against a device-to-device copy;
 - fused SwiGLU forward + backward against eager;
 - chunked linear cross-entropy time and peak memory against eager fp32 logits.
@@ -23,18 +24,20 @@ def bench_ms(fn) -> float:
 
 
 def eager_plan(topk_ids_TK, num_experts, num_ranks):
+    """The fields of a DispatchPlan in eager ops, as ``plan_dispatch_reference`` makes them
+    (without its range check). Only what ``plan_dispatch`` returns: the send list
+    (``nonzero``, a host sync) is made from the plan by the caller on both paths."""
     ids = topk_ids_TK.reshape(-1)
     counts = torch.bincount(ids, minlength=num_experts)
     sorted_slot = torch.argsort(ids, stable=True)
     row_of_slot = torch.empty_like(sorted_slot)
     row_of_slot[sorted_slot] = torch.arange(ids.numel(), device=ids.device)
     sorted_token = sorted_slot // topk_ids_TK.shape[1]
-    offsets = torch.cumsum(counts, 0)
     rank = topk_ids_TK // (num_experts // num_ranks)
-    onehot = F.one_hot(rank, num_ranks).amax(1)  # [T, P] dedup
-    per_rank = onehot.sum(0)
-    send_idx = onehot.T.nonzero()  # tokens to send, per rank (host sync, like real code)
-    return counts, sorted_token, row_of_slot, offsets, per_rank, send_idx
+    to_rank = torch.zeros(topk_ids_TK.shape[0], num_ranks, dtype=torch.bool, device=ids.device)
+    to_rank.scatter_(1, rank, True)  # [T, P] dedup
+    per_rank = to_rank.sum(0)
+    return counts, sorted_token, sorted_slot, row_of_slot, per_rank, to_rank
 
 
 def planning(copy_gbs: float) -> None:
