@@ -126,7 +126,7 @@ def _throughput(gpus: int, layers: int, batch: int, run_dir: Path, precision: li
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=None, help="write results.json here")
+    parser.add_argument("--out", default=None, help="write multi_gpu.json into this directory")
     parser.add_argument("--skip-equivalence", action="store_true")
     parser.add_argument("--seed", type=int, default=4, help="first seed of the FP32 checks")
     parser.add_argument("--seed-tries", type=int, default=3,
@@ -150,6 +150,9 @@ def main() -> int:
     args = parser.parse_args()
     if args.seed_tries < 1:
         parser.error(f"--seed-tries ({args.seed_tries}) must be >= 1")
+    if args.real_layers < 0 or args.real_layers % 2:
+        parser.error(f"--real-layers ({args.real_layers}) must be even (gpt-oss alternates "
+                     "sliding and full attention layers); try 2 or 4")
     chosen = args.real_recipes.split(",")
     if unknown := sorted(set(chosen) - set(_real_recipes(2))):
         parser.error(f"--real-recipes: unknown {unknown}; pick from {list(_real_recipes(2))}")
@@ -157,6 +160,7 @@ def main() -> int:
     sizes = [n for n in (2, 4, 8) if n <= gpus]
     print(f"{gpus} GPU(s): {torch.cuda.get_device_name(0) if gpus else 'none'}", flush=True)
     results: dict = {"gpus": gpus, "equivalence": {}, "training": {}}
+    failed = []  # training parity beyond its tolerance: the exit status says so
     if not args.skip_equivalence:
         for n in sizes:
             cases = [(cfg, LAYOUTS[n]) for cfg in _configs()]
@@ -184,6 +188,8 @@ def main() -> int:
                 worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=True))
                 results["training"][f"{n}:{layout}"] = worst
                 verdict = "ok" if worst <= 5e-3 else "FAIL (> 5e-3)"
+                if worst > 5e-3:
+                    failed.append(f"{n}:{layout}")
                 print(f"[training] {n} GPUs {layout}: max rel loss diff {worst:.2e} {verdict}",
                       flush=True)
         real = _real_recipes(args.real_layers) if args.real_layers and sizes else {}
@@ -197,6 +203,8 @@ def main() -> int:
                 worst = max(abs(a - b) / abs(b) for a, b in zip(losses, one, strict=True))
                 results["training"][f"{recipe}x{args.real_layers}:{n}:{layout}"] = worst
                 verdict = "ok" if worst <= 5e-3 else "FAIL (> 5e-3)"
+                if worst > 5e-3:
+                    failed.append(f"{recipe}:{n}:{layout}")
                 print(f"[training] {recipe} ({args.real_layers} layers) {n} GPUs {layout}: "
                       f"losses {[round(x, 4) for x in losses]} vs one GPU "
                       f"{[round(x, 4) for x in one]}: max rel diff {worst:.2e} {verdict}",
@@ -221,7 +229,9 @@ def main() -> int:
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "multi_gpu.json").write_text(json.dumps(results, indent=2))
-    return 0
+    if failed:
+        print(f"[training] FAILED: {failed}", flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
