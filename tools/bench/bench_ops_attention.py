@@ -83,7 +83,7 @@ def _measure(seq: int, kwargs: dict, flex: bool, masks: str = "auto") -> tuple[f
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--seqs", default="4096,8192", help="comma-separated sequence lengths")
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__)

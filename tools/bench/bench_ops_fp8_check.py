@@ -7,6 +7,8 @@ the references, and prints per output: bits equal (fraction), NaN count in kerne
 Run: ``PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python3 tools/bench/bench_ops_fp8_check.py``
 """
 
+import argparse
+
 import torch
 
 import mt_ops.fp8_quant as fp8_quant
@@ -31,6 +33,8 @@ def compare(name, got, ref):
 
 
 def main() -> None:
+    # No options: --help describes the run instead of starting it on the GPU.
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " ")).parse_args()
     for dual_warps in (4, 8):
         fp8_quant.QUANT_CONFIG["dual_warps"] = dual_warps
         for counts, k_dim, n_dim in (([1024], 2048, 768), ([0, 300, 17, 0, 700, 1], 768, 2048)):

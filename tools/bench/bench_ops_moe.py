@@ -11,6 +11,8 @@
 Run: ``PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python3 tools/bench/bench_ops_moe.py``
 """
 
+import argparse
+
 import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
@@ -138,6 +140,8 @@ def cross_entropy() -> None:
 
 
 def main() -> None:
+    # No options: --help describes the run instead of starting it on the GPU.
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " ")).parse_args()
     print(torch.cuda.get_device_name(), torch.__version__)
     src = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(src)
