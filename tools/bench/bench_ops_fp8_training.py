@@ -223,7 +223,9 @@ def main() -> None:
     parser.add_argument("--json", help="write the loss curves to this file")
     args = parser.parse_args()
     if args.compare:
-        run_a, run_b = (f"{Path(d).name}" for d in args.compare)
+        run_a, run_b = (Path(d).name for d in args.compare)
+        if run_a == run_b:  # same last name (a/run, b/run): one dict key would judge A vs A
+            run_a, run_b = args.compare
         curves = {run_b: read_run(args.compare[1]), run_a: read_run(args.compare[0])}
         steps = min(map(len, curves.values()))
         curves = {name: losses[:steps] for name, losses in curves.items()}
