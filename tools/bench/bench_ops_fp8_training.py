@@ -222,6 +222,14 @@ def main() -> None:
     )
     parser.add_argument("--json", help="write the loss curves to this file")
     args = parser.parse_args()
+    if args.steps < WINDOW:
+        parser.error(f"--steps ({args.steps}) must be >= {WINDOW}, the moving-average window")
+    variants = args.variants.split(",")
+    if unknown := sorted(set(variants) - {"bf16", "fp8", "fp32"}):
+        parser.error(f"--variants: unknown {unknown}; pick from bf16, fp8, fp32")
+    if not args.compare and ("fp8" not in variants or variants[0] == "fp8" or len(variants) < 2):
+        parser.error(f"--variants ({args.variants}) must start with a baseline (bf16 or "
+                     "fp32) and include fp8, the curve judged against it")
     if args.compare:
         run_a, run_b = (Path(d).name for d in args.compare)
         if run_a == run_b:  # same last name (a/run, b/run): one dict key would judge A vs A
@@ -235,7 +243,6 @@ def main() -> None:
           f"of {args.batch}x{args.seq}")  # fmt: skip
     if device.type == "cuda":
         check_kernels(device)
-    variants = args.variants.split(",")
     curves = {variant: train(variant, args, device) for variant in variants}
     if args.json:
         Path(args.json).write_text(json.dumps(curves))
