@@ -164,7 +164,9 @@ def bench_reader(num_tokens: int, seq_len: int, tmp: Path) -> None:
     with IndexedDatasetWriter(directory / "synthetic", np.uint16) as writer:
         written = 0
         while written < num_tokens:
-            lengths = rng.integers(50, 8000, size=4096)
+            lengths = rng.integers(50, 8000, size=4096)  # ~16M tokens: cut to what is left
+            fits = np.searchsorted(np.cumsum(lengths), num_tokens - written, side="right")
+            lengths = lengths[: max(1, int(fits))]
             tokens = rng.integers(1, 60000, size=int(lengths.sum()), dtype=np.uint16)
             writer.add_documents(tokens, lengths)
             written += int(lengths.sum())
