@@ -376,3 +376,27 @@ def test_save_hf_copies_only_expert_views_and_matches_their_values(
         shares = tensor.data_ptr() == params[key].data_ptr()
         assert shares != is_expert, f"{key}: copied={not shares}, expert view={is_expert}"
         assert torch.equal(tensor, params[key].detach()), key
+
+
+@pytest.mark.parametrize("first_shard_size,second_shard_size", [(200_000, 2**40), (2**40, 200_000)])
+def test_save_hf_over_an_earlier_save_leaves_only_the_new_weights(
+    build_debug_model, tmp_path, first_shard_size, second_shard_size
+):
+    import transformers
+
+    old, new = build_debug_model(seed=0), build_debug_model(seed=1)
+    save_hf(old, tmp_path, max_shard_size=first_shard_size)
+    save_hf(new, tmp_path, max_shard_size=second_shard_size)
+    sharded = second_shard_size < 2**40
+    names = sorted(p.name for p in tmp_path.glob("model*"))
+    assert ("model.safetensors" in names) != sharded, names
+    assert ("model.safetensors.index.json" in names) == sharded, names
+    index = tmp_path / "model.safetensors.index.json"
+    if sharded:
+        listed = set(json.loads(index.read_text())["weight_map"].values())
+        assert set(names) == listed | {index.name}, "no shard of the earlier save is left"
+    key = "model.embed_tokens.weight"
+    expected = new.canonical_parameters()[key]
+    assert torch.equal(load_hf(tmp_path).canonical_parameters()[key], expected)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert torch.equal(reloaded.state_dict()[key], expected)

@@ -28,6 +28,8 @@ from mt_models.registry import MODEL_FAMILIES
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+# A shard name save_hf writes (model-00001-of-00003.safetensors).
+_SHARD_NAME = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 # GPT-OSS Hub key of a stacked expert tensor: <layer>.mlp.experts.<proj>[_bias].
 _STACKED = re.compile(
     r"^(?P<prefix>.*\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)(?P<bias>_bias)?$"
@@ -345,11 +347,14 @@ def save_hf(model: CausalLM, path: str | Path, max_shard_size: int = 5 * 2**30) 
     else ``model-0000k-of-0000n.safetensors`` plus ``model.safetensors.index.json``. A tied
     output head is not written (as transformers does). Files are written into ``path`` as
     they are made; a caller that needs all-or-nothing writes to a new directory and renames
-    it (as ``mt-train convert mt-to-hf`` does).
+    it (as ``mt-train convert mt-to-hf`` does). Weights of an earlier save into the same
+    directory (``model.safetensors``, the index, ``model-*-of-*`` shards) are removed first,
+    as ``save_pretrained`` does: left there, an old index (read by ``load_hf``) or an old
+    ``model.safetensors`` (read by transformers) would win over the new files.
 
     Args:
         model: A model of a family in ``MODEL_FAMILIES`` holding all experts.
-        path: Output directory (created; existing files of the same names are replaced).
+        path: Output directory (created; earlier weights in it are replaced).
         max_shard_size: Largest shard in bytes (a tensor larger than it gets its own).
     """
     family = next(n for n, (_, cls) in MODEL_FAMILIES.items() if type(model) is cls)
@@ -386,6 +391,7 @@ def save_hf_tensors(
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    _remove_earlier_weights(path)
     hub_meta = canonical_to_hub(
         family,
         {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in canonical.items()},
@@ -419,6 +425,21 @@ def save_hf_tensors(
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
         (path / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _remove_earlier_weights(path: Path) -> None:
+    """Deletes the weight files an earlier ``save_hf`` (or ``save_pretrained``) left in
+    ``path``; the index first, so an interrupted removal never leaves an index naming
+    missing shards.
+
+    Args:
+        path: The output directory.
+    """
+    (path / INDEX_NAME).unlink(missing_ok=True)
+    (path / SINGLE_NAME).unlink(missing_ok=True)
+    for shard in path.glob("model-*-of-*.safetensors"):
+        if _SHARD_NAME.match(shard.name):
+            shard.unlink()
 
 
 def _standalone(tensor: Tensor) -> Tensor:
