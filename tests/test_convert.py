@@ -130,6 +130,20 @@ def test_mt_to_hf_failing_on_the_second_shard_leaves_no_out_and_no_temporary(
     assert list(tmp_path.iterdir()) == [], "the temporary directory is removed"
 
 
+def test_hf_to_mt_interrupted_after_writing_leaves_no_out_and_no_temporary(tmp_path, monkeypatch):
+    _write_hf(FAMILIES["qwen3_moe"], tmp_path / "hf", torch.bfloat16)
+    real_save = convert.dcp.save
+
+    def save_then_interrupt(*args, **kwargs):
+        real_save(*args, **kwargs)  # the weights are on disk, then Ctrl-C
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(convert.dcp, "save", save_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        convert.hf_to_mt(tmp_path / "hf", tmp_path / "mt")
+    assert _siblings(tmp_path / "hf") == ["hf"], "no out and no .tmp-mt of a whole model"
+
+
 def test_mt_to_hf_never_allocates_a_model(tmp_path, mt_checkpoint, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("mt_to_hf materialized a model (to_empty)")

@@ -117,8 +117,8 @@ def hf_to_mt(hf_dir: str | Path, out_dir: str | Path) -> Path:
 
     Args:
         hf_dir: config.json and safetensors (sharded or not).
-        out_dir: the checkpoint directory to create; written beside it and renamed when
-            complete.
+        out_dir: the checkpoint directory to create; written into ``.tmp-<name>`` beside
+            it, renamed when complete and removed if anything fails.
 
     Returns:
         The checkpoint directory.
@@ -136,16 +136,20 @@ def hf_to_mt(hf_dir: str | Path, out_dir: str | Path) -> Path:
     tmp = out_dir.with_name(f".tmp-{out_dir.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.parent.mkdir(parents=True, exist_ok=True)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(tensors, checkpoint_id=tmp)
-    config = json.loads(json.dumps({"model_family": family, "model": _asdict(model.config)}))
-    state = {"format_version": FORMAT_VERSION, "step": 0, "model_only": True, "config": config}
-    (tmp / _STATE_FILE).write_text(json.dumps(state, indent=2))
-    _copy_tokenizer_files(hf_dir, tmp)
-    if out_dir.exists():
-        out_dir.rmdir()  # empty, checked above
-    os.rename(tmp, out_dir)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(tensors, checkpoint_id=tmp)
+        config = json.loads(json.dumps({"model_family": family, "model": _asdict(model.config)}))
+        state = {"format_version": FORMAT_VERSION, "step": 0, "model_only": True, "config": config}
+        (tmp / _STATE_FILE).write_text(json.dumps(state, indent=2))
+        _copy_tokenizer_files(hf_dir, tmp)
+        if out_dir.exists():
+            out_dir.rmdir()  # empty, checked above
+        os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a whole model's worth of bytes
+        raise
     return out_dir
 
 
