@@ -217,3 +217,26 @@ def test_init_from_a_mismatched_model_names_the_parameter_and_shapes(tmp_path):
                  f"init_from={tmp_path / 'hf'}"]
     with pytest.raises(ValueError, match=r"has shape .* but the model has"):
         pretrain(resolve_config(get_recipe("tiny"), overrides=overrides))
+
+
+@pytest.mark.parametrize("source", ["hf", "mt"])
+def test_init_from_a_source_with_another_rope_theta_and_norm_topk_prob_warns_naming_them(
+    tmp_path, caplog, source
+):
+    import logging
+
+    cfg = resolve_config(get_recipe("tiny"))
+    changed = dataclasses.replace(
+        cfg.model, rope_theta=1e7, norm_topk_prob=not cfg.model.norm_topk_prob
+    )
+    _write_hf(changed, tmp_path / "hf", torch.float32)
+    if source == "mt":
+        convert.hf_to_mt(tmp_path / "hf", tmp_path / "mt")
+    overrides = [f"run_dir={tmp_path / 'run'}", f"init_from={tmp_path / source}"]
+    with caplog.at_level(logging.WARNING, logger="mt_train"):
+        setup(resolve_config(get_recipe("tiny"), overrides=overrides))
+    warning = caplog.text
+    assert "differs from init_from" in warning
+    assert "rope_theta: 10000000.0 -> 10000.0" in warning
+    assert f"model.norm_topk_prob={json.dumps(changed.norm_topk_prob)}" in warning
+    assert "router_aux_loss_coef" not in warning and "max_position" not in warning

@@ -312,7 +312,8 @@ class JobConfig:
         init_from: start a new run from these weights: a Hugging Face directory
             (config.json + safetensors) or an mt checkpoint (a ``step_N`` directory or
             one written by ``mt-train convert hf-to-mt``). Model weights only; the
-            optimizer starts fresh and the model config must match the source's.
+            optimizer starts fresh and the model config must match the source's
+            (shapes raise; other differences, such as ``rope_theta``, warn).
             Ignored when the run directory has a checkpoint to resume.
     """
 

@@ -30,6 +30,8 @@ import torch.distributed.checkpoint as dcp
 
 from mt_data import default_tokenizer_path
 from mt_models import MODEL_FAMILIES, load_hf, save_hf_tensors
+from mt_models.configs import TRAINING_ONLY_FIELDS
+from mt_models.hf_config import config_from_hf
 from mt_train.checkpoint import FORMAT_VERSION
 
 # Files next to the weights that travel with a conversion when present.
@@ -287,3 +289,38 @@ def read_init_weights(path: str | Path) -> dict[str, torch.Tensor]:
         f"init_from ({str(path)!r}) is neither a Hugging Face directory (config.json + "
         "*.safetensors) nor an mt checkpoint (.metadata + train_state.json)"
     )
+
+
+# Model config fields that shape training, not the function the weights compute.
+_NOT_ARCHITECTURE = (*TRAINING_ONLY_FIELDS, "router_aux_loss_coef", "initializer_range")
+
+
+def init_config_differences(path: str | Path, model_config: Any) -> dict[str, tuple[Any, Any]]:
+    """Model config fields where a run differs from its `init_from` source.
+
+    Shapes are checked when the weights are copied; a difference here (``rope_theta``,
+    ``rms_norm_eps``, ``norm_topk_prob``, ``rope_scaling``, ...) loads without error but
+    computes another function than the source's model.
+
+    Args:
+        path: the `init_from` directory (Hugging Face or mt checkpoint).
+        model_config: the run's model config.
+
+    Returns:
+        Field → (the source's value, the run's value), JSON-normalized; empty when they
+        agree or the source is of another family (its weights then do not load).
+    """
+    path = Path(path)
+    if is_hf_dir(path):
+        source = config_from_hf(json.loads((path / "config.json").read_text()))
+    else:
+        saved = json.loads((path / _STATE_FILE).read_text())["config"]
+        source = MODEL_FAMILIES[saved["model_family"]][0](**saved["model"])
+    if type(source) is not type(model_config):
+        return {}
+    theirs, ours = (json.loads(json.dumps(_asdict(c))) for c in (source, model_config))
+    return {
+        key: (theirs[key], ours[key])
+        for key in sorted(theirs)
+        if key not in _NOT_ARCHITECTURE and theirs[key] != ours[key]
+    }

@@ -44,7 +44,7 @@ from mt_train.checkpoint import (
     save_checkpoint,
 )
 from mt_train.config import JobConfig
-from mt_train.convert import read_init_weights
+from mt_train.convert import init_config_differences, read_init_weights
 from mt_train.distributed import Env, all_reduce, barrier, init_distributed
 from mt_train.faults import NonFiniteError, agree_to_stop, stop_on_signals, write_exit_file
 from mt_train.metrics import MetricsLogger, build_sinks, peak_flops
@@ -211,6 +211,15 @@ def setup(cfg: JobConfig) -> TrainState:
     elif cfg.init_from:
         load_model_weights(model, read_init_weights(cfg.init_from), cfg.init_from)
         log.info("initialized the model from %s (fresh optimizer)", cfg.init_from)
+        differences = init_config_differences(cfg.init_from, cfg.model)
+        if differences and env.is_main:
+            log.warning(
+                "the model config differs from init_from %s; this run's config wins, so the "
+                "model is not the source's (to match it, override %s): %s",
+                cfg.init_from,
+                " ".join(f"model.{k}={json.dumps(v[0])}" for k, v in differences.items()),
+                ", ".join(f"{k}: {v[0]!r} -> {v[1]!r}" for k, v in differences.items()),
+            )
     if env.is_main:
         _write_json_atomic(run_dir / "config.json", cfg.to_dict())
     return state
