@@ -172,6 +172,21 @@ def test_load_hf_names_missing_weights_and_unknown_families(build_debug_model, t
     assert set(MODEL_FAMILIES) == {"qwen3_moe", "deepseek_v2", "gpt_oss"}
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2", "gpt_oss"])
+def test_load_hf_names_the_file_and_every_required_field_config_json_lacks(
+    build_debug_model, tmp_path, family
+):
+    save_hf(build_debug_model(family=family), tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    del data["num_attention_heads"], data["num_experts_per_tok"]
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError) as error:
+        load_hf(tmp_path)
+    message = str(error.value)
+    assert str(tmp_path / "config.json") in message
+    assert "lacks num_attention_heads, num_experts_per_tok" in message
+
+
 class _ReadTracker:
     """Wraps ``safe_open`` in ``hf_io``: counts tensor reads and the most read tensors (and
     their bytes) alive at once, each alive from its read until its tensor object is freed."""

@@ -74,6 +74,28 @@ def _clean_scaling(scaling: dict | None) -> dict | None:
     return scaling
 
 
+def _check_required(family: str, config_cls: type, data: dict[str, Any]) -> None:
+    """Raises ValueError naming every field the family config requires that ``data`` lacks
+    (or sets to null); ``head_dim`` is derived and Qwen3's ``num_experts`` has an alias."""
+    optional = {"head_dim"}
+    if family == "qwen3_moe" and data.get("num_local_experts") is not None:
+        optional.add("num_experts")
+    missing = [
+        f.name
+        for f in dataclasses.fields(config_cls)
+        if f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+        and f.name not in optional
+        and data.get(f.name) is None
+    ]
+    if missing:
+        raise ValueError(
+            f"config.json (model_type {family!r}) lacks {', '.join(missing)}, required to "
+            f"build the model; add them as transformers' {ARCHITECTURES[family]} "
+            "config.json has them"
+        )
+
+
 def config_from_hf(data: dict[str, Any]) -> Any:
     """Builds the family config of a Hub ``config.json`` dict.
 
@@ -86,6 +108,7 @@ def config_from_hf(data: dict[str, Any]) -> Any:
     family = family_of_hf_config(data)
     config_cls = MODEL_FAMILIES[family][0]
     data = dict(data)
+    _check_required(family, config_cls, data)
     theta, scaling, found = _split_rope(data)
     data["rope_theta"] = DEFAULT_ROPE_THETA[family] if theta is None else theta
     if found:

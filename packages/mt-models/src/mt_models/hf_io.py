@@ -303,8 +303,11 @@ def load_hf(
     """
     path = Path(path)
     data = json.loads((path / "config.json").read_text())
-    family = family_of_hf_config(data)
-    config = config_from_hf(data)
+    try:
+        family = family_of_hf_config(data)
+        config = config_from_hf(data)
+    except ValueError as err:
+        raise ValueError(f"{path / 'config.json'}: {err}") from None
     with ExitStack() as stack:
         handles = {
             name: stack.enter_context(safe_open(path / name, framework="pt"))
