@@ -148,6 +148,15 @@ def test_config_survives_hub_json_round_trip_and_plain_dict_rebuild(preset):
     assert type(config)(**plain) == config
 
 
+def test_gpt_oss_without_a_window_survives_the_hub_json_round_trip():
+    config = dataclasses.replace(gpt_oss_20b(), sliding_window=None)  # sliding layers: full
+    data = json.loads(json.dumps(config_to_hf(config, "bfloat16")))
+    assert data["sliding_window"] is None
+    assert config_from_hf(data).sliding_window is None
+    data["rms_norm_eps"] = None  # a null that cannot stay None still means the default
+    assert config_from_hf(data).rms_norm_eps == config.rms_norm_eps
+
+
 def test_hub_aliases_are_read():
     qwen = config_to_hf(qwen3_30b_a3b(), "bfloat16")
     qwen["num_local_experts"] = qwen.pop("num_experts")  # as transformers 5 writes it

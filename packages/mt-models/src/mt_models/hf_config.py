@@ -9,6 +9,7 @@ mapped (Qwen3's ``num_local_experts`` as written by transformers 5; DeepSeek's
 """
 
 import dataclasses
+import typing
 from typing import Any
 
 from mt_models.configs import TRAINING_ONLY_FIELDS
@@ -128,11 +129,15 @@ def config_from_hf(data: dict[str, Any]) -> Any:
     if family == "gpt_oss" and data.get("head_dim") is None:
         data["head_dim"] = data["hidden_size"] // data["num_attention_heads"]
     fields = {f.name: f for f in dataclasses.fields(config_cls)}
+    hints = typing.get_type_hints(config_cls)
     values = {k: v for k, v in data.items() if k in fields}
     for key, value in list(values.items()):
         default = fields[key].default
-        if value is None and default is not None and default is not dataclasses.MISSING:
-            del values[key]  # null in the file: the family default (transformers does the same)
+        nullable = type(None) in typing.get_args(hints[key])
+        if value is None and not nullable and default is not dataclasses.MISSING:
+            # null in the file for a field that cannot be None: the family default. A
+            # field that can be None keeps it (GPT-OSS's sliding_window: no window).
+            del values[key]
     return config_cls(**values)
 
 
