@@ -196,6 +196,15 @@ def test_load_hf_names_the_file_and_every_required_field_config_json_lacks(
     assert "lacks num_attention_heads, num_experts_per_tok" in message
 
 
+def test_load_hf_names_the_index_and_the_shard_it_lists_that_is_missing(
+    build_debug_model, tmp_path
+):
+    save_hf(build_debug_model(), tmp_path, max_shard_size=3_000_000)
+    (tmp_path / "model-00002-of-00004.safetensors").unlink()
+    with pytest.raises(ValueError, match=r"index.json lists 1 shard.* \['model-00002-of-00004"):
+        load_hf(tmp_path)
+
+
 class _ReadTracker:
     """Wraps ``safe_open`` in ``hf_io``: counts tensor reads and the most read tensors (and
     their bytes) alive at once, each alive from its read until its tensor object is freed."""

@@ -93,6 +93,12 @@ def _checkpoint_files(path: Path) -> list[str]:
         raise ValueError(
             f"no safetensors weights in {path}; expected {SINGLE_NAME} or {INDEX_NAME}"
         )
+    absent = [name for name in files if not (path / name).is_file()]
+    if absent:
+        raise ValueError(
+            f"{path / INDEX_NAME} lists {len(absent)} shard(s) missing from {path}, e.g. "
+            f"{absent[:3]}; download them again (an interrupted download or copy)"
+        )
     return files
 
 
