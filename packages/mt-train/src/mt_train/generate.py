@@ -3,12 +3,14 @@
 One process on CPU or one GPU, no KV cache: each new token re-runs the model on the
 whole sequence (fine for looking at a checkpoint, not for serving). The tokenizer is the
 checkpoint directory's ``tokenizer.json``, else the one named by the run's corpus
-manifest (``data.path``), else mt-data's default tokenizer.
+manifest (``data.path``), else mt-data's default tokenizer. Special tokens written in the
+prompt (a chat template's) are encoded as their ids, as Hugging Face tokenizers do.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +18,9 @@ from mt_data import default_tokenizer_path
 from mt_data.tokenizer import load_tokenizer
 from mt_models import MODEL_FAMILIES
 from mt_train.convert import read_mt_checkpoint, training_tokenizer
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 
 def sample_next(
@@ -41,6 +46,28 @@ def sample_next(
     sorted_V = sorted_V * keep_V
     choice = torch.multinomial(sorted_V / sorted_V.sum(), 1, generator=generator)
     return int(order_V[choice])
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
+    """The ids of a prompt, special tokens in its text included, as Hugging Face encodes it.
+
+    mt-data's tokenizer reads special tokens in documents as plain text (the builder alone
+    decides where documents end); a prompt written for a converted chat model (its
+    template's ``<|im_start|>`` and the like) needs them as the special ids.
+
+    Args:
+        tokenizer: the training tokenizer (mt-data's ``load_tokenizer``).
+        prompt: the text to encode.
+
+    Returns:
+        The token ids.
+    """
+    saved = tokenizer.encode_special_tokens
+    tokenizer.encode_special_tokens = False
+    try:
+        return tokenizer.encode(prompt).ids
+    finally:
+        tokenizer.encode_special_tokens = saved
 
 
 def generate(
@@ -86,7 +113,7 @@ def generate(
             target.copy_(canonical[key])
     model.eval()
     tokenizer = load_tokenizer(training_tokenizer(checkpoint) or default_tokenizer_path())
-    ids = tokenizer.tokenizer.encode(prompt).ids
+    ids = encode_prompt(tokenizer.tokenizer, prompt)
     if not ids:
         ids = [tokenizer.eos_id]  # start a fresh document
     generator = torch.Generator().manual_seed(seed)

@@ -1,0 +1,18 @@
+"""mt-train generate: prompt encoding (the sampling loop runs in tests/test_pretrain.py)."""
+
+from mt_data import default_tokenizer_path
+from mt_data.tokenizer import load_tokenizer
+from mt_train.generate import encode_prompt
+
+
+def test_special_tokens_in_a_prompt_are_their_ids_and_the_tokenizer_is_left_as_it_was():
+    loaded = load_tokenizer(default_tokenizer_path())
+    eos_text = loaded.tokenizer.id_to_token(loaded.eos_id)
+    prompt = f"def f():{eos_text}x"
+    # The training tokenizer reads special tokens in text as plain text ...
+    assert loaded.eos_id not in loaded.tokenizer.encode(prompt).ids
+    # ... a prompt (a chat template's markers) gets the special id, as Hugging Face does.
+    ids = encode_prompt(loaded.tokenizer, prompt)
+    assert ids.count(loaded.eos_id) == 1
+    assert loaded.tokenizer.decode(ids, skip_special_tokens=False) == prompt
+    assert loaded.tokenizer.encode_special_tokens  # restored for training use
