@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import shutil
 
 import pytest
 import torch
@@ -240,3 +241,22 @@ def test_init_from_a_source_with_another_rope_theta_and_norm_topk_prob_warns_nam
     assert "rope_theta: 10000000.0 -> 10000.0" in warning
     assert f"model.norm_topk_prob={json.dumps(changed.norm_topk_prob)}" in warning
     assert "router_aux_loss_coef" not in warning and "max_position" not in warning
+
+
+def test_mt_to_hf_writes_the_tokenizer_eos_id_into_config_json(tmp_path, mt_checkpoint):
+    # transformers' generate stops at config.json's eos_token_id when no
+    # generation_config.json travels with the weights.
+    from mt_data import default_tokenizer_path
+    from mt_data.tokenizer import load_tokenizer
+
+    checkpoint = tmp_path / "mt"
+    shutil.copytree(mt_checkpoint, checkpoint)
+    shutil.copy2(default_tokenizer_path(), checkpoint / "tokenizer.json")
+    out = mt_to_hf(checkpoint, tmp_path / "back")
+    config = json.loads((out / "config.json").read_text())
+    assert config["eos_token_id"] == load_tokenizer(default_tokenizer_path()).eos_id
+    original = json.loads((mt_checkpoint.parent / "hf" / "config.json").read_text())
+    assert {k: v for k, v in config.items() if k != "eos_token_id"} == original
+    # A tokenizer.json that is not a tokenizer (the fixture's) leaves config.json alone.
+    plain = json.loads((mt_to_hf(mt_checkpoint, tmp_path / "plain") / "config.json").read_text())
+    assert "eos_token_id" not in plain

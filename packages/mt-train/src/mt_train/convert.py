@@ -29,6 +29,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from mt_data import default_tokenizer_path
+from mt_data.tokenizer import load_tokenizer
 from mt_models import MODEL_FAMILIES, load_hf, save_hf_tensors
 from mt_models.configs import TRAINING_ONLY_FIELDS
 from mt_models.hf_config import config_from_hf
@@ -199,9 +200,10 @@ def mt_to_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: int = 
 
     Args:
         checkpoint: a training checkpoint (``step_N``) or a model-only one.
-        out_dir: the directory to create, or an empty one to fill (config.json,
-            safetensors, index when sharded, tokenizer files found in the checkpoint
-            directory or the training tokenizer, see `training_tokenizer`).
+        out_dir: the directory to create, or an empty one to fill (config.json, with
+            the tokenizer's ``eos_token_id``; safetensors, index when sharded, tokenizer
+            files found in the checkpoint directory or the training tokenizer, see
+            `training_tokenizer`).
         max_shard_size: largest safetensors shard in bytes.
 
     Returns:
@@ -230,6 +232,7 @@ def mt_to_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: int = 
             beside = tokenizer.parent / "tokenizer_config.json"
             if beside.is_file() and not (tmp / "tokenizer_config.json").exists():
                 shutil.copy2(beside, tmp / "tokenizer_config.json")
+        _add_eos_token_id(tmp)
         if out_dir.exists():
             out_dir.rmdir()  # empty, checked above
         os.rename(tmp, out_dir)
@@ -237,6 +240,30 @@ def mt_to_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: int = 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def _add_eos_token_id(directory: Path) -> None:
+    """Writes ``eos_token_id`` into ``directory``'s config.json, from its tokenizer files.
+
+    Without a generation_config.json, transformers' ``generate`` stops at config.json's
+    ``eos_token_id``; the family configs do not carry token ids, so a model trained here
+    would otherwise never stop. The EOS is the one mt-data resolves (tokenizer_config.json's
+    ``eos_token``, else its fallback list). Nothing changes when config.json has an
+    ``eos_token_id`` or the tokenizer files do not name an EOS the vocabulary holds.
+
+    Args:
+        directory: an exported Hugging Face directory (config.json, tokenizer files).
+    """
+    config_path = directory / "config.json"
+    config = json.loads(config_path.read_text())
+    if config.get("eos_token_id") is not None or not (directory / "tokenizer.json").is_file():
+        return
+    try:
+        eos_id = load_tokenizer(directory).eos_id
+    except ValueError:  # an unreadable tokenizer.json, or no EOS: leave config.json as it is
+        return
+    config["eos_token_id"] = eos_id
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _check_checkpoint_keys(
