@@ -32,7 +32,6 @@ from mt_data import default_tokenizer_path
 from mt_data.tokenizer import load_tokenizer
 from mt_models import MODEL_FAMILIES, load_hf, save_hf_tensors
 from mt_models.configs import TRAINING_ONLY_FIELDS
-from mt_models.hf_config import config_from_hf
 from mt_train.checkpoint import FORMAT_VERSION
 
 # Files next to the weights that travel with a conversion when present.
@@ -298,20 +297,21 @@ def _check_checkpoint_keys(
             )
 
 
-def read_init_weights(path: str | Path) -> dict[str, torch.Tensor]:
+def read_init_weights(path: str | Path) -> tuple[Any, dict[str, torch.Tensor]]:
     """Reads `init_from` weights: a Hugging Face directory or an mt checkpoint.
 
     Args:
         path: the source directory.
 
     Returns:
-        Hub key → whole CPU tensor.
+        (the source's model config, Hub key → whole CPU tensor).
     """
     path = Path(path)
     if is_hf_dir(path):
-        return {k: v.detach() for k, v in load_hf(path).canonical_parameters().items()}
+        model = load_hf(path)
+        return model.config, {k: v.detach() for k, v in model.canonical_parameters().items()}
     if (path / ".metadata").is_file():
-        return read_mt_checkpoint(path)[1]
+        return read_mt_checkpoint(path)
     raise ValueError(
         f"init_from ({str(path)!r}) is neither a Hugging Face directory (config.json + "
         "*.safetensors) nor an mt checkpoint (.metadata + train_state.json)"
@@ -322,7 +322,7 @@ def read_init_weights(path: str | Path) -> dict[str, torch.Tensor]:
 _NOT_ARCHITECTURE = (*TRAINING_ONLY_FIELDS, "router_aux_loss_coef", "initializer_range")
 
 
-def init_config_differences(path: str | Path, model_config: Any) -> dict[str, tuple[Any, Any]]:
+def init_config_differences(source: Any, model_config: Any) -> dict[str, tuple[Any, Any]]:
     """Model config fields where a run differs from its `init_from` source.
 
     Shapes are checked when the weights are copied; a difference here (``rope_theta``,
@@ -330,19 +330,13 @@ def init_config_differences(path: str | Path, model_config: Any) -> dict[str, tu
     computes another function than the source's model.
 
     Args:
-        path: the `init_from` directory (Hugging Face or mt checkpoint).
+        source: the `init_from` source's model config (from `read_init_weights`).
         model_config: the run's model config.
 
     Returns:
         Field → (the source's value, the run's value), JSON-normalized; empty when they
         agree or the source is of another family (its weights then do not load).
     """
-    path = Path(path)
-    if is_hf_dir(path):
-        source = config_from_hf(json.loads((path / "config.json").read_text()))
-    else:
-        saved = json.loads((path / _STATE_FILE).read_text())["config"]
-        source = MODEL_FAMILIES[saved["model_family"]][0](**saved["model"])
     if type(source) is not type(model_config):
         return {}
     theirs, ours = (json.loads(json.dumps(_asdict(c))) for c in (source, model_config))

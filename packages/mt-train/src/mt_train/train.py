@@ -209,9 +209,11 @@ def setup(cfg: JobConfig) -> TrainState:
     if checkpoint is not None:
         _resume(state, checkpoint)
     elif cfg.init_from:
-        load_model_weights(model, read_init_weights(cfg.init_from), cfg.init_from)
+        source_config, weights = read_init_weights(cfg.init_from)
+        load_model_weights(model, weights, cfg.init_from)
+        del weights
         log.info("initialized the model from %s (fresh optimizer)", cfg.init_from)
-        differences = init_config_differences(cfg.init_from, cfg.model)
+        differences = init_config_differences(source_config, cfg.model)
         if differences and env.is_main:
             log.warning(
                 "the model config differs from init_from %s; this run's config wins, so the "
