@@ -261,3 +261,46 @@ def test_quantization_kernels_are_bit_exact_against_reference_on_gpu(shape, scal
     assert torch.equal(qt.view(torch.uint8), rqt.view(torch.uint8))
     assert torch.equal(scale_to_float(s), scale_to_float(rs))
     assert torch.equal(scale_to_float(st), scale_to_float(rst))
+
+
+def _special_values(num_rows, num_cols, dtype):
+    """Rows of ±inf, the dtype's largest finite values, subnormals, and tiles mixing 1e30 with
+    1e-30 (the small ones round to zero), between ordinary rows; column 1 all zero."""
+    info = torch.finfo(dtype)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(num_rows, num_cols, generator=gen)
+    sign = torch.where(torch.rand(num_cols, generator=gen) < 0.5, -1.0, 1.0)
+    x[0, 3], x[1, 130] = float("inf"), float("-inf")
+    x[2] = sign * info.max * torch.rand(num_cols, generator=gen).clamp_min(0.5)
+    x[3] = sign * info.smallest_normal * torch.rand(num_cols, generator=gen) / 4  # subnormal
+    x[4] = sign * torch.where(torch.arange(num_cols) % 7 == 0, 1e30, 1e-30)
+    x[5] = 0.0
+    x[:, 1] = 0.0
+    return x.to(dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("scale_format", FORMATS)
+def test_kernels_equal_references_on_inf_huge_and_subnormal_values_on_gpu(scale_format):
+    x = _special_values(300, 384, torch.bfloat16).cuda()
+    assert (x[3] != 0).any() and (x[3].abs() < torch.finfo(torch.bfloat16).smallest_normal).all()
+    tiles = row_tiles(torch.tensor([100, 0, 200]).cuda(), 300)
+    pairs = [
+        (quantize_1x128(x, scale_format=scale_format),
+         quantize_1x128_reference(x, scale_format=scale_format)),
+        *zip(quantize_1x128_dual(x, tiles=tiles, scale_format=scale_format),
+             quantize_1x128_dual_reference(x, tiles=tiles, scale_format=scale_format),
+             strict=True),
+    ]  # fmt: skip
+    w = _special_values(300, 384, torch.float32).cuda()
+    pairs += zip(
+        quantize_128x128(w, scale_format=scale_format, transpose=True),
+        quantize_128x128_reference(w, scale_format=scale_format, transpose=True),
+        strict=True,
+    )
+    for got, ref in pairs:
+        got, ref = Fp8Quantized(*got), Fp8Quantized(*ref)
+        assert torch.equal(scale_to_float(got.scale), scale_to_float(ref.scale))
+        assert torch.equal(got.data.view(torch.uint8), ref.data.view(torch.uint8))
+        assert not torch.isnan(got.data.float()).any()
