@@ -3,7 +3,8 @@
 - dispatch planning (per-expert counts, per-EP-rank deduplicated counts, counting sort,
   inverse) against the eager sequence that makes the same fields (bincount, stable argsort,
   inverse scatter, scattered rank mask, sum) at 16k tokens × top-8 of 128 experts on 8 EP
-  ranks;
+  ranks: wall time per call (ours is bound by its launches' host time there) and GPU
+  kernel time alone;
 - permute and unpermute (forward and backward) GB/s against a device-to-device copy;
 - fused SwiGLU forward + backward against eager;
 - chunked linear cross-entropy time and peak memory against eager fp32 logits.
@@ -12,17 +13,31 @@ Run: ``PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python3 tools/bench/bench
 """
 
 import argparse
+import itertools
 
 import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
+import mt_ops.moe_permute as moe_permute
+import mt_ops.moe_plan as moe_plan
 from mt_ops import linear_cross_entropy, permute, plan_dispatch, swiglu, unpermute
 from mt_ops.moe_permute import permute_reference, unpermute_reference
 
 
 def bench_ms(fn) -> float:
     return do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def kernel_us(fn, calls: int = 10) -> float:
+    """GPU kernel time of one call (profiler sum), without host launch and sync time."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return sum(event.self_device_time_total for event in prof.key_averages()) / calls
 
 
 def eager_plan(topk_ids_TK, num_experts, num_ranks):
@@ -46,17 +61,18 @@ def planning(copy_gbs: float) -> None:
     num_tokens, num_experts, topk, num_ranks = 16384, 128, 8, 8
     scores = torch.rand(num_tokens, num_experts, device="cuda")
     topk_ids = scores.topk(topk, dim=-1).indices
-    eager = bench_ms(lambda: eager_plan(topk_ids, num_experts, num_ranks))
-    ours = bench_ms(lambda: plan_dispatch(topk_ids, num_experts, num_ranks=num_ranks))
-    print(f"plan T={num_tokens} K={topk} E={num_experts} P={num_ranks}: eager {eager * 1e3:6.1f} us"
-          f" | ours {ours * 1e3:6.1f} us = {eager / ours:.1f}x")  # fmt: skip
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
-            plan_dispatch(topk_ids, num_experts, num_ranks=num_ranks)
-        torch.cuda.synchronize()
+    runs = {
+        "eager": lambda: eager_plan(topk_ids, num_experts, num_ranks),
+        "ours": lambda: plan_dispatch(topk_ids, num_experts, num_ranks=num_ranks),
+    }
+    wall = {name: bench_ms(fn) * 1e3 for name, fn in runs.items()}
+    device = {name: kernel_us(fn) for name, fn in runs.items()}
     print(
-        prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=40)
-    )
+        f"plan T={num_tokens} K={topk} E={num_experts} P={num_ranks}: wall eager "
+        f"{wall['eager']:6.1f} us | ours {wall['ours']:6.1f} us = "
+        f"{wall['eager'] / wall['ours']:.1f}x || GPU kernel time eager {device['eager']:6.1f} us"
+        f" | ours {device['ours']:6.1f} us = {device['eager'] / device['ours']:.1f}x"
+    )  # fmt: skip
     plan = plan_dispatch(topk_ids, num_experts, num_ranks=num_ranks)
     weights = torch.rand(num_tokens, topk, device="cuda", requires_grad=True)
     x = torch.randn(num_tokens, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -71,10 +87,9 @@ def planning(copy_gbs: float) -> None:
         x.grad = y.grad = weights.grad = None
 
     # Bytes an op must move: each input read once, each output written once (a lower bound
-    # on DRAM traffic, as for the copy). Permute's forward gathers each token row K times,
-    # but x is 64 MiB against the H200's 60 MB L2, and between two reads of one token the
-    # gather passes ~E/K = 16 experts (~40 MiB of distinct rows): counting R·D reads would
-    # count L2 hits as DRAM bandwidth.
+    # on DRAM traffic, as for the copy). Permute's forward reads each token row once and
+    # writes it K times; the eager index_select reads it K times, partly from L2, which
+    # counting R·D reads would credit as DRAM bandwidth.
     cases = [
         ("permute fwd", lambda f: f[0](x, plan), token_bytes + routed_bytes),
         ("permute fwd+bwd", lambda f: (reset(), f[0](x, plan).backward(grad_routed)),
@@ -89,6 +104,42 @@ def planning(copy_gbs: float) -> None:
         gbs = nbytes / ours / 1e6
         print(f"{name:18s}: ours {ours * 1e3:7.1f} us {gbs:6.0f} GB/s = {gbs / copy_gbs:.2f}x copy"
               f" | eager {ref * 1e3:7.1f} us ({ref / ours:.2f}x)")  # fmt: skip
+
+
+def sweep() -> None:
+    """Times the planning kernels' warps (GPU time) and each PERMUTE_CONFIG pair (columns per
+    step, warps) of the three permute kernels at the planning shapes, prints them, and
+    leaves the fastest in the configs."""
+    num_tokens, num_experts, topk, dim = 16384, 128, 8, 2048
+    topk_ids = torch.rand(num_tokens, num_experts, device="cuda").topk(topk, dim=-1).indices
+    plan_config, times = moe_plan.PLAN_CONFIG, {}
+    for warps in itertools.product((1, 2, 4, 8), repeat=2):
+        plan_config["count_warps"], plan_config["scatter_warps"] = warps
+        times[warps] = kernel_us(lambda: plan_dispatch(topk_ids, num_experts, num_ranks=8))
+    best = min(times, key=times.get)
+    plan_config["count_warps"], plan_config["scatter_warps"] = best
+    listed = ", ".join(f"{c}/{s}: {us:.1f}" for (c, s), us in times.items())
+    print(f"sweep plan (count/scatter warps: GPU us) {listed} -> best {best}")
+    plan = plan_dispatch(topk_ids, num_experts)
+    x = torch.randn(num_tokens, dim, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(num_tokens * topk, dim, device="cuda", dtype=torch.bfloat16)
+    weights = torch.rand(num_tokens, topk, device="cuda")
+    kernels = {
+        "fwd_": lambda: moe_permute._scatter_rows(x, plan),
+        "": lambda: moe_permute._gather_sum(y, plan, weights),
+        "bwd_": lambda: moe_permute._unpermute_backward(x, y, plan, weights),
+    }
+    config = moe_permute.PERMUTE_CONFIG
+    for prefix, fn in kernels.items():
+        times = {}
+        for block_d in (512, 1024, 2048):
+            for warps in (2, 4, 8):
+                config[f"{prefix}BLOCK_D"], config[f"{prefix}warps"] = block_d, warps
+                times[block_d, warps] = bench_ms(fn) * 1e3
+        best = min(times, key=times.get)
+        config[f"{prefix}BLOCK_D"], config[f"{prefix}warps"] = best
+        listed = ", ".join(f"{b}/{w}: {us:.1f}" for (b, w), us in times.items())
+        print(f"sweep {prefix or 'gather_sum_'}(BLOCK_D/warps: us) {listed} -> best {best}")
 
 
 def swiglu_bench() -> None:
@@ -140,14 +191,20 @@ def cross_entropy() -> None:
 
 
 def main() -> None:
-    # No options: --help describes the run instead of starting it on the GPU.
-    argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " ")).parse_args()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="first time the planning and permute kernels' configs; the run uses the fastest",
+    )
+    args = parser.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__)
     src = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(src)
     copy_gbs = 2 * src.numel() * 2 / bench_ms(lambda: dst.copy_(src)) / 1e6
     print(f"copy bandwidth (read + write): {copy_gbs:.0f} GB/s")
-    for section in (lambda: planning(copy_gbs), swiglu_bench, cross_entropy):
+    sections = [lambda: planning(copy_gbs), swiglu_bench, cross_entropy]
+    for section in [sweep] * args.sweep + sections:
         try:
             section()
         except Exception as err:  # noqa: BLE001 - report and go on to the next section

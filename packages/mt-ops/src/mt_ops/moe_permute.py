@@ -3,16 +3,18 @@
 Legend: T tokens, D model dim, E experts, K top-k, R routed rows (R = T·K).
 
 The routing plan (:mod:`mt_ops.moe_plan`) sorts the T·K slots by expert. ``permute``
-gathers token rows into that order; ``unpermute`` brings expert outputs back, weights them
+puts token rows into that order; ``unpermute`` brings expert outputs back, weights them
 by the router's top-k weights and sums the K rows per token.
 
-Eager PyTorch permutes with ``index_select`` (fine) but its backward is an ``index_add``
-with atomics, and the combine is a gather, an fp32 upcast, a multiply and a sum, four passes
-with [T, K, D] fp32 temporaries, plus a backward of similar cost. The kernels here move each
-byte once: permute's backward and unpermute's forward are one *gather-sum* over each
-token's K rows (via the inverse permutation, fixed order, no atomics, fp32 accumulation),
-and unpermute's backward writes the routed-row gradient and the top-k weight gradient in one
-pass. On CPU the same math runs as eager PyTorch (``*_reference``).
+Eager PyTorch permutes with ``index_select`` (which reads a token row from memory up to K
+times once the tokens outgrow L2) and its backward is an ``index_add`` with atomics; the
+combine is a gather, an fp32 upcast, a multiply and a sum, four passes with [T, K, D] fp32
+temporaries, plus a backward of similar cost. The kernels here move each byte once: permute
+reads each token row once and writes it to its K routed rows; permute's backward and
+unpermute's forward are one *gather-sum* over each token's K rows (via the inverse
+permutation, fixed order, no atomics, fp32 accumulation); and unpermute's backward writes
+the routed-row gradient and the top-k weight gradient in one pass. On CPU the same math
+runs as eager PyTorch (``*_reference``).
 """
 
 import torch
@@ -31,27 +33,36 @@ __all__ = [
     "unpermute_reference",
 ]
 
-# Columns per loop step and warps, forward kernels and the unpermute backward: set by
-# bench_ops_moe.py's sweep on the H200.
-PERMUTE_CONFIG = {"BLOCK_D": 1024, "warps": 4, "bwd_BLOCK_D": 1024, "bwd_warps": 4}
+# Columns per loop step and warps of the permute (fwd_), the gather-sum (permute backward,
+# unpermute forward) and the unpermute backward (bwd_), set by ``bench_ops_moe.py --sweep``
+# on the H200. The permute scatters (one program per token, its row read once) rather than
+# gathering (one program per routed row): x is larger than L2 at 16k tokens, so the gather
+# read most token rows K times from memory (240 us, 0.59x copy bandwidth, Qwen3 shapes).
+PERMUTE_CONFIG = {
+    "fwd_BLOCK_D": 1024, "fwd_warps": 4,
+    "BLOCK_D": 1024, "warps": 4,
+    "bwd_BLOCK_D": 1024, "bwd_warps": 4,
+}  # fmt: skip
 
 
 @triton.jit
-def _gather_rows_kernel(
-    src_ptr, src_row_ptr, weight_ptr, weight_idx_ptr, dst_ptr, D,
-    HAS_WEIGHT: tl.constexpr, BLOCK_D: tl.constexpr,
+def _scatter_rows_kernel(
+    src_ptr, row_of_slot_ptr, dst_ptr, D, K,
+    BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    r = tl.program_id(0).to(tl.int64)
-    src_row = tl.load(src_row_ptr + r)
-    if HAS_WEIGHT:
-        w = tl.load(weight_ptr + tl.load(weight_idx_ptr + r)).to(tl.float32)
+    # One program per token: its row is read once and written to its K routed rows.
+    t = tl.program_id(0).to(tl.int64)
+    ks = tl.arange(0, BLOCK_K)
+    k_ok = ks < K
+    rows = tl.load(row_of_slot_ptr + t * K + ks, mask=k_ok, other=0)
     for d0 in range(0, D, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
-        ok = cols < D
-        v = tl.load(src_ptr + src_row * D + cols, mask=ok)
-        if HAS_WEIGHT:
-            v = v.to(tl.float32) * w
-        tl.store(dst_ptr + r * D + cols, v.to(dst_ptr.dtype.element_ty), mask=ok)
+        c_ok = cols < D
+        v = tl.load(src_ptr + t * D + cols, mask=c_ok)
+        v_KD = tl.broadcast_to(v[None, :], (BLOCK_K, BLOCK_D))
+        tl.store(
+            dst_ptr + rows[:, None] * D + cols[None, :], v_KD, mask=k_ok[:, None] & c_ok[None, :]
+        )
 
 
 @triton.jit
@@ -104,13 +115,14 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _gather_rows(src, src_row, dst_rows, weight=None, weight_idx=None):
-    dst = torch.empty(dst_rows, src.shape[1], dtype=src.dtype, device=src.device)
+def _scatter_rows(x_TD, plan):
+    dst = torch.empty(
+        plan.num_tokens * plan.topk, x_TD.shape[1], dtype=x_TD.dtype, device=x_TD.device
+    )
     launch(
-        _gather_rows_kernel, (dst_rows,), src, src_row,
-        src_row if weight is None else weight, src_row if weight_idx is None else weight_idx,
-        dst, src.shape[1], HAS_WEIGHT=weight is not None, BLOCK_D=PERMUTE_CONFIG["BLOCK_D"],
-        num_warps=PERMUTE_CONFIG["warps"],
+        _scatter_rows_kernel, (plan.num_tokens,), x_TD, plan.row_of_slot_R, dst, x_TD.shape[1],
+        plan.topk, BLOCK_K=_pow2(plan.topk), BLOCK_D=PERMUTE_CONFIG["fwd_BLOCK_D"],
+        num_warps=PERMUTE_CONFIG["fwd_warps"],
     )  # fmt: skip
     return dst
 
@@ -132,7 +144,7 @@ class _PermuteFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD, plan):
         ctx.plan = plan
-        return _gather_rows(x_TD, plan.sorted_token_ids_R, plan.num_tokens * plan.topk)
+        return _scatter_rows(x_TD, plan)
 
     @staticmethod
     def backward(ctx, grad_RD):

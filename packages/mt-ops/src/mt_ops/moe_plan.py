@@ -91,6 +91,10 @@ def _check(topk_ids_TK: Tensor, num_experts: int, num_ranks: int | None) -> None
 # The histogram is tl.histogram over the block's slots (masked slots land in bin E, which is
 # dropped); the rank dedup is a [16, K, P] compare; the within-block rank a 128 × 128 compare.
 _PLAN_TOKENS = 16
+# Warps of the three kernels, from ``bench_ops_moe.py --sweep`` on the H200 (16k tokens, top-8
+# of 128, 8 ranks; GPU time of the three): 1 and 1 warps 17.4 us, the earlier 4 and 8 warps
+# 43.7 us (the scatter alone 10.8 against 35.0); 8 or 32 tokens per program: 18.1 and 95 us.
+PLAN_CONFIG = {"count_warps": 1, "scan_warps": 4, "scatter_warps": 1}
 
 
 @triton.jit
@@ -192,6 +196,10 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _round2(n: int) -> int:
+    return n + n % 2
+
+
 def _plan_kernels(topk_ids_TK: Tensor, num_experts: int, num_ranks: int | None) -> DispatchPlan:
     num_tokens, topk = topk_ids_TK.shape
     dev = topk_ids_TK.device
@@ -199,34 +207,39 @@ def _plan_kernels(topk_ids_TK: Tensor, num_experts: int, num_ranks: int | None) 
     num_blocks = cdiv(num_tokens, _PLAN_TOKENS)
     has_ranks = num_ranks is not None
     num_p = num_ranks or 1
-    expert_hist_EB = torch.empty(num_experts, num_blocks, dtype=torch.int32, device=dev)
+    # Two allocations (int32 counts, int64 results) instead of eight: at 16k tokens the
+    # plan's GPU work is ~45 us on the H200, so host time per call counts.
+    num_eb, num_bp = num_experts * num_blocks, num_blocks * num_p if has_ranks else 0
+    counts32 = torch.empty(2 * num_eb + num_bp, dtype=torch.int32, device=dev)
+    expert_hist_EB, block_base_EB = counts32[: 2 * num_eb].view(2, num_experts, num_blocks)
+    rank_hist_BP = counts32[2 * num_eb :].view(num_bp // num_p, num_p)
     rank_mask_TP = torch.empty(num_tokens if has_ranks else 0, num_p, dtype=torch.int8, device=dev)
-    rank_hist_BP = torch.empty(num_blocks if has_ranks else 0, num_p, dtype=torch.int32, device=dev)
+    num_slots = num_tokens * topk
+    head, stride = _round2(num_experts + num_p), _round2(num_slots)  # 16-byte aligned parts
+    results64 = torch.empty(head + 3 * stride, dtype=torch.int64, device=dev)
+    tokens_per_expert_E = results64[:num_experts]
+    tokens_per_rank_P = results64[num_experts : num_experts + num_p]
+    sorted_slot_R, sorted_token_R, row_of_slot_R = results64[head:].view(3, stride)[:, :num_slots]
     block_slots = _PLAN_TOKENS * topk
     launch(
         _plan_count_kernel, (num_blocks,), ids, expert_hist_EB, rank_mask_TP, rank_hist_BP,
         num_tokens, topk, num_experts, num_experts // num_p, num_p, num_blocks,
         HAS_RANKS=has_ranks, BLOCK_T=_PLAN_TOKENS, BLOCK_K=_pow2(topk),
         BLOCK_S=_pow2(block_slots), BINS=_pow2(num_experts + 1), BLOCK_P=_pow2(num_p),
-        num_warps=4,
+        num_warps=PLAN_CONFIG["count_warps"],
     )  # fmt: skip
     # Each (expert, block)'s rows in earlier blocks, and each expert's total.
-    block_base_EB = torch.empty_like(expert_hist_EB)
-    tokens_per_expert_E = torch.empty(num_experts, dtype=torch.int64, device=dev)
-    tokens_per_rank_P = torch.empty(num_p, dtype=torch.int64, device=dev)
     launch(
         _plan_scan_kernel, (num_experts + int(has_ranks),), expert_hist_EB, rank_hist_BP,
         block_base_EB, tokens_per_expert_E, tokens_per_rank_P, num_blocks, num_experts, num_p,
-        BLOCK_B=_SCAN_BLOCKS, BLOCK_P=_pow2(num_p), num_warps=4,
+        BLOCK_B=_SCAN_BLOCKS, BLOCK_P=_pow2(num_p),
+        num_warps=PLAN_CONFIG["scan_warps"],
     )  # fmt: skip
-    num_slots = num_tokens * topk
-    sorted_slot_R = torch.empty(num_slots, dtype=torch.int64, device=dev)
-    sorted_token_R = torch.empty(num_slots, dtype=torch.int64, device=dev)
-    row_of_slot_R = torch.empty(num_slots, dtype=torch.int64, device=dev)
     launch(
         _plan_scatter_kernel, (num_blocks,), ids.view(-1), block_base_EB, tokens_per_expert_E,
         sorted_slot_R, row_of_slot_R, sorted_token_R, num_slots, topk, num_experts, num_blocks,
-        block_slots, BLOCK_S=_pow2(block_slots), BLOCK_E=_pow2(num_experts), num_warps=8,
+        block_slots, BLOCK_S=_pow2(block_slots), BLOCK_E=_pow2(num_experts),
+        num_warps=PLAN_CONFIG["scatter_warps"],
     )  # fmt: skip
     if num_blocks == 0:
         tokens_per_expert_E.zero_()
