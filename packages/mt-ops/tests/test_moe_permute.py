@@ -161,7 +161,7 @@ def test_permute_and_unpermute_kernels_match_references_in_value_and_gradient(dt
     x = torch.randn(23, 1100).to(dtype)  # 1100: more than one column block, ragged
     y = torch.randn(69, 1100).to(dtype)
     runs = []
-    for perm, unperm in ((permute_fn.apply, unpermute_fn.apply),
+    for perm, unperm in ((permute_fn, unpermute_fn),
                          (permute_reference, unpermute_reference)):  # fmt: skip
         x_leaf = x.clone().requires_grad_(True)
         y_leaf = y.clone().requires_grad_(True)
@@ -175,6 +175,47 @@ def test_permute_and_unpermute_kernels_match_references_in_value_and_gradient(dt
     for got, expected in zip(*runs, strict=True):
         rel = float((got.double() - expected.double()).norm() / expected.double().norm())
         assert got.dtype == expected.dtype and rel <= tol
+
+
+def test_kept_rows_equal_the_full_permutation_cut_and_zero_padded():
+    # Experts 0-2 kept, 3-4 dropped (as expert parallelism's bucket of other ranks' choices).
+    topk_ids_TK, weights_TK = _routing(23, 5, 3, seed=3)
+    plan = plan_dispatch(topk_ids_TK, 5)
+    kept = int(plan.tokens_per_expert_E[:3].sum())
+    assert 0 < kept < 69
+    x, y = torch.randn(23, 300), torch.randn(kept, 300)
+    grad_rows, grad_out = torch.randn(kept, 300), torch.randn(23, 300)
+    ops = [(permute_reference, unpermute_reference), _kernel_functions_for_test()]
+    for num_rows in (kept, 0):
+        padded = torch.cat([y[:num_rows], y.new_zeros(69 - num_rows, 300)])
+        full_out = unpermute_reference(padded, plan, weights_TK)
+        for perm, unperm in [(permute, unpermute), *ops]:
+            assert torch.equal(
+                perm(x, plan, num_rows=num_rows), x[plan.sorted_token_ids_R][:num_rows]
+            )
+            out = unperm(y[:num_rows], plan, weights_TK, num_rows=num_rows)
+            assert torch.allclose(out, full_out, atol=1e-6)
+    # Gradients of the kernels equal the reference's; dropped slots get a zero weight gradient.
+    grads = []
+    for perm, unperm in ops:
+        x_leaf, y_leaf = x.clone().requires_grad_(True), y.clone().requires_grad_(True)
+        w_leaf = weights_TK.clone().requires_grad_(True)
+        perm(x_leaf, plan, num_rows=kept).backward(grad_rows)
+        unperm(y_leaf, plan, w_leaf, num_rows=kept).backward(grad_out)
+        grads.append([x_leaf.grad, y_leaf.grad, w_leaf.grad])
+    for got, expected in zip(*grads, strict=True):
+        assert torch.allclose(got, expected, atol=1e-5)
+    dropped_slots = plan.row_of_slot_R.view(23, 3) >= kept
+    assert dropped_slots.any() and (grads[1][2][dropped_slots] == 0).all()
+
+
+def test_kept_rows_are_checked():
+    topk_ids_TK, weights_TK = _routing(4, 5, 2)
+    plan = plan_dispatch(topk_ids_TK, 5)
+    with pytest.raises(ValueError, match=r"num_rows \(9\) must be in \[0, T·K = 8\]"):
+        permute(torch.randn(4, 6), plan, num_rows=9)
+    with pytest.raises(ValueError, match=r"must be \[R=3, D\].*kept"):
+        unpermute(torch.randn(8, 6), plan, weights_TK, num_rows=3)
 
 
 @pytest.mark.gpu

@@ -47,14 +47,15 @@ PERMUTE_CONFIG = {
 
 @triton.jit
 def _scatter_rows_kernel(
-    src_ptr, row_of_slot_ptr, dst_ptr, D, K,
+    src_ptr, row_of_slot_ptr, dst_ptr, D, K, num_rows,
     BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    # One program per token: its row is read once and written to its K routed rows.
+    # One program per token: its row is read once and written to its K routed rows (those
+    # below num_rows; the rest are dropped).
     t = tl.program_id(0).to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
-    k_ok = ks < K
-    rows = tl.load(row_of_slot_ptr + t * K + ks, mask=k_ok, other=0)
+    rows = tl.load(row_of_slot_ptr + t * K + ks, mask=ks < K, other=0)
+    k_ok = (ks < K) & (rows < num_rows)
     for d0 in range(0, D, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
         c_ok = cols < D
@@ -67,13 +68,13 @@ def _scatter_rows_kernel(
 
 @triton.jit
 def _gather_sum_kernel(
-    y_ptr, row_of_slot_ptr, weight_ptr, out_ptr, D, K,
+    y_ptr, row_of_slot_ptr, weight_ptr, out_ptr, D, K, num_rows,
     HAS_WEIGHT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
-    k_ok = ks < K
-    rows = tl.load(row_of_slot_ptr + t * K + ks, mask=k_ok, other=0)
+    rows = tl.load(row_of_slot_ptr + t * K + ks, mask=ks < K, other=0)
+    k_ok = (ks < K) & (rows < num_rows)  # dropped rows (num_rows and up) count as zero
     if HAS_WEIGHT:
         w = tl.load(weight_ptr + t * K + ks, mask=k_ok, other=0.0).to(tl.float32)
     for d0 in range(0, D, BLOCK_D):
@@ -89,13 +90,13 @@ def _gather_sum_kernel(
 
 @triton.jit
 def _unpermute_bwd_kernel(
-    grad_out_ptr, y_ptr, row_of_slot_ptr, weight_ptr, grad_y_ptr, grad_w_ptr, D, K,
+    grad_out_ptr, y_ptr, row_of_slot_ptr, weight_ptr, grad_y_ptr, grad_w_ptr, D, K, num_rows,
     WRITE_GRAD_Y: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
-    k_ok = ks < K
-    rows = tl.load(row_of_slot_ptr + t * K + ks, mask=k_ok, other=0)
+    rows = tl.load(row_of_slot_ptr + t * K + ks, mask=ks < K, other=0)
+    k_ok = (ks < K) & (rows < num_rows)  # a dropped row is zero: no gradient to write
     w = tl.load(weight_ptr + t * K + ks, mask=k_ok, other=0.0).to(tl.float32)
     dots = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
@@ -108,32 +109,31 @@ def _unpermute_bwd_kernel(
         if WRITE_GRAD_Y:  # (without: a fused consumer makes the routed-row gradient itself)
             grad_y = (w[:, None] * g[None, :]).to(grad_y_ptr.dtype.element_ty)
             tl.store(grad_y_ptr + rows[:, None] * D + cols[None, :], grad_y, mask=ok)
-    tl.store(grad_w_ptr + t * K + ks, dots.to(grad_w_ptr.dtype.element_ty), mask=k_ok)
+    tl.store(grad_w_ptr + t * K + ks, dots.to(grad_w_ptr.dtype.element_ty), mask=ks < K)
 
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _scatter_rows(x_TD, plan):
-    dst = torch.empty(
-        plan.num_tokens * plan.topk, x_TD.shape[1], dtype=x_TD.dtype, device=x_TD.device
-    )
+def _scatter_rows(x_TD, plan, num_rows):
+    dst = torch.empty(num_rows, x_TD.shape[1], dtype=x_TD.dtype, device=x_TD.device)
     launch(
         _scatter_rows_kernel, (plan.num_tokens,), x_TD, plan.row_of_slot_R, dst, x_TD.shape[1],
-        plan.topk, BLOCK_K=_pow2(plan.topk), BLOCK_D=PERMUTE_CONFIG["fwd_BLOCK_D"],
+        plan.topk, num_rows, BLOCK_K=_pow2(plan.topk), BLOCK_D=PERMUTE_CONFIG["fwd_BLOCK_D"],
         num_warps=PERMUTE_CONFIG["fwd_warps"],
     )  # fmt: skip
     return dst
 
 
 def _gather_sum(y_RD, plan, weights_TK=None, out_dtype=None):
+    """Per token, the (weighted) sum of its K routed rows; rows past y_RD's end count as 0."""
     out = torch.empty(
         plan.num_tokens, y_RD.shape[1], dtype=out_dtype or y_RD.dtype, device=y_RD.device
     )
     launch(
         _gather_sum_kernel, (plan.num_tokens,), y_RD, plan.row_of_slot_R,
-        y_RD if weights_TK is None else weights_TK, out, y_RD.shape[1], plan.topk,
+        y_RD if weights_TK is None else weights_TK, out, y_RD.shape[1], plan.topk, y_RD.shape[0],
         HAS_WEIGHT=weights_TK is not None, BLOCK_K=_pow2(plan.topk),
         BLOCK_D=PERMUTE_CONFIG["BLOCK_D"], num_warps=PERMUTE_CONFIG["warps"],
     )  # fmt: skip
@@ -142,13 +142,13 @@ def _gather_sum(y_RD, plan, weights_TK=None, out_dtype=None):
 
 class _PermuteFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TD, plan):
+    def forward(ctx, x_TD, plan, num_rows):
         ctx.plan = plan
-        return _scatter_rows(x_TD, plan)
+        return _scatter_rows(x_TD, plan, num_rows)
 
     @staticmethod
     def backward(ctx, grad_RD):
-        return _gather_sum(grad_RD.contiguous(), ctx.plan), None
+        return _gather_sum(grad_RD.contiguous(), ctx.plan), None, None
 
 
 class _UnpermuteFn(torch.autograd.Function):
@@ -173,10 +173,23 @@ def _unpermute_backward(grad_TD, y_RD, plan, weights_TK, grad_y=True):
     launch(
         _unpermute_bwd_kernel, (plan.num_tokens,), grad_TD, y_RD, plan.row_of_slot_R,
         weights_TK, y_RD if grad_y_RD is None else grad_y_RD, grad_w, y_RD.shape[1],
-        plan.topk, WRITE_GRAD_Y=grad_y, BLOCK_K=_pow2(plan.topk),
+        plan.topk, y_RD.shape[0], WRITE_GRAD_Y=grad_y, BLOCK_K=_pow2(plan.topk),
         BLOCK_D=PERMUTE_CONFIG["bwd_BLOCK_D"], num_warps=PERMUTE_CONFIG["bwd_warps"],
     )  # fmt: skip
     return grad_y_RD, grad_w
+
+
+def _num_rows(plan: DispatchPlan, num_rows: int | None) -> int:
+    """The routed rows kept: all T·K by default, else the first ``num_rows``."""
+    total = plan.num_tokens * plan.topk
+    if num_rows is None:
+        return total
+    if not 0 <= num_rows <= total:
+        raise ValueError(
+            f"num_rows ({num_rows}) must be in [0, T·K = {total}]: the plan's first rows, "
+            "those of the experts kept"
+        )
+    return num_rows
 
 
 def _check_permute(x_TD: Tensor, plan: DispatchPlan) -> None:
@@ -187,64 +200,77 @@ def _check_permute(x_TD: Tensor, plan: DispatchPlan) -> None:
         )
 
 
-def permute(x_TD: Tensor, plan: DispatchPlan) -> Tensor:
-    """Gather token rows into expert order (each token appears K times).
+def permute(x_TD: Tensor, plan: DispatchPlan, *, num_rows: int | None = None) -> Tensor:
+    """Put token rows into expert order (each token appears K times).
 
     Args:
         x_TD: Token activations [T, D].
         plan: The plan from :func:`plan_dispatch` for these T tokens.
+        num_rows: Keep only the first ``num_rows`` routed rows, leaving out the plan's last
+            experts (expert parallelism's bucket of choices that other ranks serve); default
+            all T·K. Dropped rows are never written.
 
     Returns:
-        Routed rows [R, D], expert e's rows consecutive, in expert order.
+        Routed rows [R, D] (R = num_rows), expert e's rows consecutive, in expert order.
     """
     _check_permute(x_TD, plan)
-    if not use_kernels(x_TD) or plan.num_tokens * plan.topk == 0:
-        return permute_reference(x_TD, plan)
-    return _PermuteFn.apply(x_TD.contiguous(), plan)
+    num_rows = _num_rows(plan, num_rows)
+    if not use_kernels(x_TD) or num_rows == 0:
+        return permute_reference(x_TD, plan, num_rows=num_rows)
+    return _PermuteFn.apply(x_TD.contiguous(), plan, num_rows)
 
 
-def permute_reference(x_TD: Tensor, plan: DispatchPlan) -> Tensor:
+def permute_reference(x_TD: Tensor, plan: DispatchPlan, *, num_rows: int | None = None) -> Tensor:
     """Eager reference of :func:`permute`: ``index_select`` (same arguments and result)."""
     _check_permute(x_TD, plan)
-    return x_TD.index_select(0, plan.sorted_token_ids_R)  # [R, D]
+    return x_TD.index_select(0, plan.sorted_token_ids_R[: _num_rows(plan, num_rows)])  # [R, D]
 
 
-def _check_unpermute(y_RD: Tensor, plan: DispatchPlan, topk_weights_TK: Tensor) -> None:
+def _check_unpermute(y_RD: Tensor, plan: DispatchPlan, topk_weights_TK: Tensor, num_rows) -> int:
     num_tokens, topk = plan.num_tokens, plan.topk
-    if y_RD.dim() != 2 or y_RD.shape[0] != num_tokens * topk:
+    num_rows = _num_rows(plan, num_rows)
+    if y_RD.dim() != 2 or y_RD.shape[0] != num_rows:
         raise ValueError(
-            f"y shape ({tuple(y_RD.shape)}) must be [R={num_tokens * topk}, D]; pass one "
-            "output row per routed row"
+            f"y shape ({tuple(y_RD.shape)}) must be [R={num_rows}, D]; pass one "
+            "output row per routed row" + ("" if num_rows == num_tokens * topk else " kept")
         )
     if tuple(topk_weights_TK.shape) != (num_tokens, topk):
         raise ValueError(
             f"topk_weights shape ({tuple(topk_weights_TK.shape)}) must be "
             f"[T, K] = [{num_tokens}, {topk}]"
         )
+    return num_rows
 
 
-def unpermute(y_RD: Tensor, plan: DispatchPlan, topk_weights_TK: Tensor) -> Tensor:
+def unpermute(
+    y_RD: Tensor, plan: DispatchPlan, topk_weights_TK: Tensor, *, num_rows: int | None = None
+) -> Tensor:
     """Weight each routed row by its top-k weight and sum the K rows of every token.
 
     Args:
         y_RD: Expert outputs [R, D] in the plan's row order.
         plan: The plan from :func:`plan_dispatch`.
         topk_weights_TK: Router weight of each token's k-th choice [T, K].
+        num_rows: R, when only the plan's first rows exist (see :func:`permute`); the
+            dropped rows count as zero (and get no gradient). Default all T·K.
 
     Returns:
         ``out[t] = Σ_k w[t, k] · y[row of (t, k)]``, shape [T, D], dtype of ``y_RD``,
         summed in fp32.
     """
-    _check_unpermute(y_RD, plan, topk_weights_TK)
+    num_rows = _check_unpermute(y_RD, plan, topk_weights_TK, num_rows)
     if not use_kernels(y_RD, topk_weights_TK) or plan.num_tokens * plan.topk == 0:
-        return unpermute_reference(y_RD, plan, topk_weights_TK)
+        return unpermute_reference(y_RD, plan, topk_weights_TK, num_rows=num_rows)
     return _UnpermuteFn.apply(y_RD.contiguous(), plan, topk_weights_TK.contiguous())
 
 
-def unpermute_reference(y_RD: Tensor, plan: DispatchPlan, topk_weights_TK: Tensor) -> Tensor:
+def unpermute_reference(
+    y_RD: Tensor, plan: DispatchPlan, topk_weights_TK: Tensor, *, num_rows: int | None = None
+) -> Tensor:
     """Eager reference of :func:`unpermute` (same arguments and result)."""
-    _check_unpermute(y_RD, plan, topk_weights_TK)
+    num_rows = _check_unpermute(y_RD, plan, topk_weights_TK, num_rows)
     num_tokens, topk = plan.num_tokens, plan.topk
+    y_RD = torch.nn.functional.pad(y_RD, (0, 0, 0, num_tokens * topk - num_rows))  # dropped: 0
     y_SD = y_RD.index_select(0, plan.row_of_slot_R)  # [T*K, D], slot order
     y_TKD = y_SD.view(num_tokens, topk, y_RD.shape[1])  # [T, K, D]
     weighted_TKD = y_TKD.float() * topk_weights_TK.float().unsqueeze(-1)  # [T, K, D]
@@ -252,5 +278,15 @@ def unpermute_reference(y_RD: Tensor, plan: DispatchPlan, topk_weights_TK: Tenso
 
 
 def _kernel_functions_for_test():
-    """The autograd functions of the kernel path, runnable on CPU through the interpreter."""
-    return _PermuteFn, _UnpermuteFn
+    """``permute`` and ``unpermute`` through the kernels on any device (the interpreter on
+    CPU): same arguments as the public ops, checks included."""
+
+    def permute_kernel(x_TD, plan, *, num_rows=None):
+        _check_permute(x_TD, plan)
+        return _PermuteFn.apply(x_TD, plan, _num_rows(plan, num_rows))
+
+    def unpermute_kernel(y_RD, plan, topk_weights_TK, *, num_rows=None):
+        _check_unpermute(y_RD, plan, topk_weights_TK, num_rows)
+        return _UnpermuteFn.apply(y_RD, plan, topk_weights_TK)
+
+    return permute_kernel, unpermute_kernel

@@ -221,9 +221,7 @@ class ExpertParallelDispatcher:
         self.ep = dist.get_world_size(group)
         self.ep_rank = dist.get_rank(group)
         if num_experts % self.ep:
-            raise ValueError(
-                f"parallel.ep ({self.ep}) must divide num_experts ({num_experts})"
-            )
+            raise ValueError(f"parallel.ep ({self.ep}) must divide num_experts ({num_experts})")
         self.num_experts = num_experts
         self.num_local = num_experts // self.ep
         self.async_comm = async_comm
@@ -259,12 +257,13 @@ class ExpertParallelDispatcher:
 
         # Ids first: the expert-side plan needs only them, so it overlaps the rows' trip
         # (the all-to-alls of one group run in turn, in launch order; weights are read last).
-        ids_MK = self._send(ids_TK.index_select(0, send_token_ids_N), recv_splits,
-                            send_splits)
-        x_MD = self._send(routed.hidden_TD.index_select(0, send_token_ids_N), recv_splits,
-                          send_splits)
-        weights_MK = self._send(weights_TK.index_select(0, send_token_ids_N), recv_splits,
-                                send_splits)
+        ids_MK = self._send(ids_TK.index_select(0, send_token_ids_N), recv_splits, send_splits)
+        x_MD = self._send(
+            routed.hidden_TD.index_select(0, send_token_ids_N), recv_splits, send_splits
+        )
+        weights_MK = self._send(
+            weights_TK.index_select(0, send_token_ids_N), recv_splits, send_splits
+        )
 
         local_MK = ids_MK() - self.ep_rank * self.num_local
         is_local_MK = (local_MK >= 0) & (local_MK < self.num_local)
@@ -273,7 +272,9 @@ class ExpertParallelDispatcher:
         plan = plan_dispatch(local_MK, self.num_local + 1)
         tokens_per_expert_e = plan.tokens_per_expert_E[: self.num_local]
         num_routed = int(tokens_per_expert_e.sum())
-        tokens_RD = permute(x_MD(), plan)[:num_routed]  # [R, D]
+        # Only rows of local experts are written: the bucket of other ranks' choices (most of
+        # the M·K rows once ep > 1) is dropped, and unpermute counts it as zero.
+        tokens_RD = permute(x_MD(), plan, num_rows=num_routed)  # [R, D]
         weights = weights_MK()
         handle = ExpertParallelHandle(
             plan=plan,
@@ -296,14 +297,22 @@ class ExpertParallelDispatcher:
         Returns:
             `out_TD` [T, D]: each token's top-k weighted sum of expert outputs.
         """
-        dropped = handle.plan.num_tokens * handle.plan.topk - handle.num_routed
-        zeros = expert_out_RD.new_zeros(dropped, expert_out_RD.shape[1])  # other ranks' choices
-        padded = torch.cat([expert_out_RD, zeros])  # [M·K, D] in plan order
-        partial_MD = unpermute(padded, handle.plan, handle.weights_MK)  # [M, D]
+        partial_MD = unpermute(
+            expert_out_RD, handle.plan, handle.weights_MK, num_rows=handle.num_routed
+        )  # [M, D]: other ranks' choices count as zero
         # Waited on at once, so nothing to overlap: the plain synchronous exchange.
         back_ND = all_to_all(partial_MD, handle.send_splits, handle.recv_splits, self.group)
+        # One index_add per source rank, in rank order: within a rank's rows each token
+        # appears once, so no two additions race and the sum is the same bits every run.
         out_TD = back_ND.new_zeros(handle.num_tokens, back_ND.shape[1])
-        return out_TD.index_add(0, handle.send_token_ids_N, back_ND)  # [T, D]
+        per_rank = zip(
+            handle.send_token_ids_N.split(handle.send_splits),
+            back_ND.split(handle.send_splits),
+            strict=True,
+        )
+        for token_ids, rows in per_rank:
+            out_TD.index_add_(0, token_ids, rows)
+        return out_TD  # [T, D]
 
 
 def _slice_experts(experts: GroupedExperts, first: int, count: int) -> None:
