@@ -256,7 +256,49 @@ def test_mt_to_hf_writes_the_tokenizer_eos_id_into_config_json(tmp_path, mt_chec
     config = json.loads((out / "config.json").read_text())
     assert config["eos_token_id"] == load_tokenizer(default_tokenizer_path()).eos_id
     original = json.loads((mt_checkpoint.parent / "hf" / "config.json").read_text())
+    # No tokenizer_config.json names a BOS or PAD: eos_token_id is the only new key.
     assert {k: v for k, v in config.items() if k != "eos_token_id"} == original
     # A tokenizer.json that is not a tokenizer (the fixture's) leaves config.json alone.
     plain = json.loads((mt_to_hf(mt_checkpoint, tmp_path / "plain") / "config.json").read_text())
     assert "eos_token_id" not in plain
+
+
+def _write_word_tokenizer(directory, tokenizer_config):
+    """A five-token word-level tokenizer.json, and ``tokenizer_config`` beside it."""
+    from tokenizers import Tokenizer, models
+
+    vocab = {"<unk>": 0, "hello": 1, "<s>": 2, "</s>": 3, "<pad>": 4}
+    Tokenizer(models.WordLevel(vocab, unk_token="<unk>")).save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+
+
+def test_mt_to_hf_writes_the_bos_and_pad_ids_tokenizer_config_json_names(tmp_path, mt_checkpoint):
+    checkpoint = tmp_path / "mt"
+    shutil.copytree(mt_checkpoint, checkpoint)
+    pad = {"content": "<pad>", "special": True, "lstrip": False}  # the AddedToken form
+    _write_word_tokenizer(checkpoint, {"bos_token": "<s>", "eos_token": "</s>", "pad_token": pad})
+    config = json.loads((mt_to_hf(checkpoint, tmp_path / "back") / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (2, 3, 4)
+
+
+@pytest.mark.parametrize(
+    ("tokenizer_config", "expected"),
+    [
+        # Neither named (HF writes null), and a PAD the vocabulary lacks: left out.
+        ({"eos_token": "</s>", "bos_token": None}, {"eos_token_id": 3}),
+        ({"eos_token": "</s>", "pad_token": "<|pad|>"}, {"eos_token_id": 3}),
+        # Named, but config.json already holds ids (0 and a list included): kept.
+        ({"eos_token": "</s>", "bos_token": "<s>", "pad_token": "<pad>"}, None),
+    ],
+    ids=["undefined", "not_in_vocab", "already_in_config"],
+)
+def test_special_token_ids_are_left_out_when_undefined_and_never_overwritten(
+    tmp_path, tokenizer_config, expected
+):
+    held = {"bos_token_id": 0, "eos_token_id": [3, 1], "pad_token_id": 1}
+    base = {"model_type": "gpt_oss"} | (held if expected is None else {})
+    (tmp_path / "config.json").write_text(json.dumps(base))
+    _write_word_tokenizer(tmp_path, tokenizer_config)
+    convert._add_special_token_ids(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config == base | (expected or {})

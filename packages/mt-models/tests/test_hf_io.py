@@ -148,11 +148,17 @@ def test_config_survives_hub_json_round_trip_and_plain_dict_rebuild(preset):
     assert type(config)(**plain) == config
 
 
-def test_gpt_oss_without_a_window_survives_the_hub_json_round_trip():
+def test_gpt_oss_without_a_window_is_exported_and_read_back_with_no_windowed_layer():
     config = dataclasses.replace(gpt_oss_20b(), sliding_window=None)  # sliding layers: full
     data = json.loads(json.dumps(config_to_hf(config, "bfloat16")))
-    assert data["sliding_window"] is None
-    assert config_from_hf(data).sliding_window is None
+    assert data["layer_types"] == ["full_attention"] * 24  # transformers fails on a null window
+    assert data["sliding_window"] == config.max_position_embeddings
+    back = config_from_hf(data)
+    assert [back.window(i) for i in range(24)] == [config.window(i) for i in range(24)]
+    assert set(map(config.window, range(24))) == {None}
+    # A null window on the Hub (an earlier export's form) is read as it was written.
+    older = data | {"sliding_window": None, "layer_types": config.layer_types}
+    assert config_from_hf(older) == config
     data["rms_norm_eps"] = None  # a null that cannot stay None still means the default
     assert config_from_hf(data).rms_norm_eps == config.rms_norm_eps
 

@@ -1,6 +1,7 @@
 """Parity with transformers on tiny random fp32 configs of every family: logits within 1e-4
 absolute, loss gradients within 1e-4 relative, and load_hf → save_hf → transformers."""
 
+import json
 import re
 
 import pytest
@@ -226,3 +227,30 @@ def test_load_save_round_trip_through_transformers(name, hf, tmp_path):
     expected = reference.state_dict()
     for key, value in reloaded.state_dict().items():
         assert torch.equal(value, expected[key]), key
+
+
+def test_gpt_oss_without_a_window_exports_full_attention_that_transformers_runs_equal(
+    build_debug_model, hf, tmp_path
+):
+    # transformers' GPT-OSS fails on "sliding_window": null (it builds a sliding-window
+    # mask every forward, and a cache layer of that window per "sliding_attention" layer);
+    # our sliding layers attend fully without a window, and so must the export.
+    import transformers
+
+    ours = build_debug_model(seed=0, family="gpt_oss", vocab_size=VOCAB, sliding_window=None)
+    hf.randomize(ours, seed=5)
+    assert "sliding_attention" in ours.config.layer_types
+    save_hf(ours, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["layer_types"] == ["full_attention"] * ours.config.num_hidden_layers
+    assert config["sliding_window"] == ours.config.max_position_embeddings
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="eager"
+    )
+    ids, _ = _inputs(3)
+    with torch.no_grad():
+        logits = ours(ids)
+        for use_cache in (True, False):
+            ref_logits = reference(ids, use_cache=use_cache).logits
+            assert (ref_logits - logits).abs().max().item() <= 1e-4, use_cache
+        assert torch.equal(load_hf(tmp_path)(ids), logits)  # and back: the same function

@@ -52,8 +52,8 @@ class GptOssConfig:
         head_dim: Dh.
         num_local_experts: E.
         num_experts_per_tok: K.
-        sliding_window: Window of the ``sliding_attention`` layers (None: they attend fully,
-            as in transformers).
+        sliding_window: Window of the ``sliding_attention`` layers (None: they attend fully;
+            exported with every layer ``"full_attention"``, as transformers needs).
         layer_types: ``"sliding_attention"`` or ``"full_attention"`` per layer (default:
             alternating, sliding first).
         rms_norm_eps: Epsilon of every RMSNorm.

@@ -144,6 +144,8 @@ def config_from_hf(data: dict[str, Any]) -> Any:
 def config_to_hf(config: Any, dtype: str) -> dict[str, Any]:
     """The Hub ``config.json`` dict of a family config: RoPE in the current
     ``rope_parameters`` form and, for older readers, as ``rope_theta`` + ``rope_scaling``.
+    A GPT-OSS without a window is written with every layer ``"full_attention"``, the form
+    transformers runs.
 
     Args:
         config: A family config.
@@ -169,5 +171,13 @@ def config_to_hf(config: Any, dtype: str) -> dict[str, Any]:
         data["aux_loss_alpha"] = data.pop("router_aux_loss_coef")
         data["seq_aux"] = config.aux_loss_type == "sequence"
         data["num_key_value_heads"] = config.num_attention_heads
+    if family == "gpt_oss" and config.sliding_window is None:
+        # transformers' GPT-OSS fails on a null window: every forward builds the sliding-window
+        # mask ("Could not find a `sliding_window` argument in the config, or it is not set")
+        # and the cache builds one window per "sliding_attention" layer (TypeError on None).
+        # Our sliding layers attend fully without a window, exactly as "full_attention" layers
+        # do; the window, then used by no layer, is the whole context.
+        data["layer_types"] = ["full_attention"] * config.num_hidden_layers
+        data["sliding_window"] = config.max_position_embeddings
     data.update(model_type=family, architectures=[ARCHITECTURES[family]], dtype=dtype)
     return data

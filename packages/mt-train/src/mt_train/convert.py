@@ -200,7 +200,8 @@ def mt_to_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: int = 
     Args:
         checkpoint: a training checkpoint (``step_N``) or a model-only one.
         out_dir: the directory to create, or an empty one to fill (config.json, with
-            the tokenizer's ``eos_token_id``; safetensors, index when sharded, tokenizer
+            the tokenizer's ``bos_token_id``, ``eos_token_id`` and ``pad_token_id``, see
+            `_add_special_token_ids`; safetensors, index when sharded, tokenizer
             files found in the checkpoint directory or the training tokenizer, see
             `training_tokenizer`).
         max_shard_size: largest safetensors shard in bytes.
@@ -231,7 +232,7 @@ def mt_to_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: int = 
             beside = tokenizer.parent / "tokenizer_config.json"
             if beside.is_file() and not (tmp / "tokenizer_config.json").exists():
                 shutil.copy2(beside, tmp / "tokenizer_config.json")
-        _add_eos_token_id(tmp)
+        _add_special_token_ids(tmp)
         if out_dir.exists():
             out_dir.rmdir()  # empty, checked above
         os.rename(tmp, out_dir)
@@ -241,28 +242,38 @@ def mt_to_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: int = 
     return out_dir
 
 
-def _add_eos_token_id(directory: Path) -> None:
-    """Writes ``eos_token_id`` into ``directory``'s config.json, from its tokenizer files.
+def _add_special_token_ids(directory: Path) -> None:
+    """Writes ``bos_token_id``, ``eos_token_id`` and ``pad_token_id`` into config.json.
 
-    Without a generation_config.json, transformers' ``generate`` stops at config.json's
-    ``eos_token_id``; the family configs do not carry token ids, so a model trained here
-    would otherwise never stop. The EOS is the one mt-data resolves (tokenizer_config.json's
-    ``eos_token``, else its fallback list). Nothing changes when config.json has an
-    ``eos_token_id`` or the tokenizer files do not name an EOS the vocabulary holds.
+    Without a generation_config.json, transformers' ``generate`` takes these ids from
+    config.json (it stops at the EOS and pads batches with the PAD); the family configs
+    carry no token ids, so a model trained here would otherwise never stop. The EOS is the
+    one mt-data resolves (tokenizer_config.json's ``eos_token``, else its fallback list);
+    BOS and PAD are tokenizer_config.json's ``bos_token`` and ``pad_token``, text or an
+    AddedToken dict's ``content``. An id config.json already holds (not null) is kept; a
+    token the files do not name or the vocabulary lacks is left out. Nothing is written
+    when the tokenizer files are missing, unreadable or name no EOS.
 
     Args:
         directory: an exported Hugging Face directory (config.json, tokenizer files).
     """
     config_path = directory / "config.json"
     config = json.loads(config_path.read_text())
-    if config.get("eos_token_id") is not None or not (directory / "tokenizer.json").is_file():
-        return
     try:
-        eos_id = load_tokenizer(directory).eos_id
-    except ValueError:  # an unreadable tokenizer.json, or no EOS: leave config.json as it is
+        loaded = load_tokenizer(directory)
+    except (FileNotFoundError, ValueError):  # no tokenizer.json, an unreadable one, or no EOS
         return
-    config["eos_token_id"] = eos_id
-    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    # When present, tokenizer_config.json is a JSON object, else load_tokenizer has raised.
+    tokenizer_config = directory / "tokenizer_config.json"
+    named = json.loads(tokenizer_config.read_text("utf-8")) if tokenizer_config.is_file() else {}
+    texts = {"eos_token_id": loaded.eos_token}
+    for key, name in (("bos_token_id", "bos_token"), ("pad_token_id", "pad_token")):
+        token = named.get(name)
+        texts[key] = token.get("content") if isinstance(token, dict) else token
+    ids = {k: loaded.tokenizer.token_to_id(t) for k, t in texts.items() if isinstance(t, str)}
+    added = {k: i for k, i in ids.items() if i is not None and config.get(k) is None}
+    if added:
+        config_path.write_text(json.dumps(config | added, indent=2, sort_keys=True) + "\n")
 
 
 def _check_checkpoint_keys(
