@@ -72,6 +72,34 @@ def test_attention_rejects_heads_not_divisible():
         attention(q, kv, kv)
 
 
+@pytest.mark.parametrize("return_lse", [False, True])
+@pytest.mark.parametrize("fn", [attention, attention_reference])
+def test_q_k_v_of_different_dtypes_are_rejected_outside_autocast(fn, return_lse):
+    # Before, the reference (and the op's LSE route on CPU) upcast the mix; SDPA refused it.
+    q, k, v = _qkv((1, 4, 2, 5, 16), torch.float32)
+    with pytest.raises(
+        ValueError,
+        match=r"v dtype \(torch.bfloat16\) must equal q dtype \(torch.float32\) outside "
+        r"autocast; pass v.to\(q.dtype\), or call under torch.autocast\('cpu'\)",
+    ):
+        fn(q, k, v.bfloat16(), return_lse=return_lse)
+    with pytest.raises(ValueError, match=r"k dtype \(torch.float32\) must equal q dtype"):
+        fn(q.bfloat16(), k, v, return_lse=return_lse)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"window": 3}, {"return_lse": True}])
+def test_fp32_q_k_with_bf16_v_under_autocast_match_reference(kwargs, assert_close):
+    # Under autocast SDPA casts all three to bf16; the reference computes in fp32 anyway.
+    q, k, v = _qkv((1, 4, 2, 9, 16), torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = attention(q, k, v.bfloat16(), **kwargs)
+        ref = attention_reference(q, k, v.bfloat16(), **kwargs)
+    if kwargs.get("return_lse"):
+        (out, lse), (ref, ref_lse) = out, ref
+        assert_close(lse, ref_lse, torch.bfloat16, "lse")
+    assert_close(out.float(), ref.float(), torch.bfloat16, "out")
+
+
 def _float64_attention(q, k, v, mask, sinks=None, scale=None):
     """Softmax over [scores, sink] in float64, the sink column dropped (GPT-OSS's eager form)."""
     group = q.shape[1] // k.shape[1]

@@ -117,3 +117,36 @@ def test_z_loss_adds_weighted_squared_logsumexp_of_valid_tokens(small_chunks):
     lse_T = torch.logsumexp(hidden_TD @ weight_VD.T, dim=-1)
     expected = 0.5 * lse_T[labels_T != IGNORE].square().sum()
     torch.testing.assert_close((with_z - plain).double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fn", [linear_cross_entropy, linear_cross_entropy_reference])
+def test_hidden_of_another_dtype_than_weight_is_rejected_outside_autocast(fn):
+    hidden_TD, weight_VD, labels_T = _inputs(6, 16, 131, torch.float32)
+    with pytest.raises(
+        ValueError,
+        match=r"hidden dtype \(torch.bfloat16\) must equal weight dtype \(torch.float32\) "
+        r"outside autocast; pass hidden.to\(weight.dtype\), or call under torch.autocast",
+    ):
+        fn(hidden_TD.bfloat16(), weight_VD, labels_T)
+    with pytest.raises(ValueError, match=r"hidden dtype \(torch.float32\) .* \(torch.bfloat16\)"):
+        fn(hidden_TD, weight_VD.bfloat16(), labels_T)
+
+
+def test_bf16_hidden_with_fp32_weight_under_autocast_matches_reference(
+    small_chunks, assert_close, run_with_grads
+):
+    # One-GPU training: bf16 activations, the fp32 lm head, the step under autocast.
+    hidden_TD, weight_VD, labels_T = _inputs(33, 16, 131, torch.float32)
+    hidden_TD = hidden_TD.bfloat16()
+
+    def run(fn):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return run_with_grads(lambda h, w: fn(h, w, labels_T), [hidden_TD, weight_VD])
+
+    loss, (g_h, g_w) = run(linear_cross_entropy)
+    ref_loss, (ref_g_h, ref_g_w) = run(linear_cross_entropy_reference)
+    assert loss.dtype == torch.float32
+    assert g_h.dtype == torch.bfloat16 and g_w.dtype == torch.float32
+    assert_close(loss, ref_loss, torch.bfloat16, "loss")
+    assert_close(g_h.float(), ref_g_h.float(), torch.bfloat16, "grad hidden")
+    assert_close(g_w, ref_g_w, torch.bfloat16, "grad weight")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mt_ops import grouped_linear, grouped_linear_reference
+from mt_ops import GroupedLinear, grouped_linear, grouped_linear_reference
 
 # (counts per expert, D, O): ragged with empty experts, dims not a multiple of any block,
 # and no rows at all.
@@ -52,6 +52,47 @@ def test_grouped_linear_rejects_counts_not_summing_to_rows():
     x_RD, w_EOD, _ = _inputs([2, 2], 8, 4, torch.float32)
     with pytest.raises(ValueError, match="sums to 5"):
         grouped_linear(x_RD, w_EOD, torch.tensor([2, 3]))
+
+
+@pytest.mark.parametrize("fn", [grouped_linear, grouped_linear_reference])
+def test_x_or_bias_of_another_dtype_than_w_is_rejected_outside_autocast(fn):
+    x_RD, w_EOD, counts_E = _inputs([3, 0, 2], 8, 4, torch.float32)
+    bias_EO = torch.zeros(3, 4)
+    with pytest.raises(
+        ValueError,
+        match=r"x dtype \(torch.bfloat16\) must equal w dtype \(torch.float32\) outside "
+        r"autocast; pass x.to\(w.dtype\), or call under torch.autocast\('cpu'\)",
+    ):
+        fn(x_RD.bfloat16(), w_EOD, counts_E)
+    with pytest.raises(ValueError, match=r"bias dtype \(torch.bfloat16\) must equal w dtype"):
+        fn(x_RD, w_EOD, counts_E, bias_EO.bfloat16())
+    with pytest.raises(ValueError, match=r"bias shape \(\(3, 5\)\) must be \[E, O\] = \(3, 4\)"):
+        fn(x_RD, w_EOD, counts_E, torch.zeros(3, 5))
+
+
+def test_grouped_linear_module_rejects_bf16_rows_for_fp32_weights_outside_autocast():
+    module = GroupedLinear(3, 8, 4)
+    with pytest.raises(ValueError, match=r"x dtype \(torch.bfloat16\) must equal w dtype"):
+        module(torch.randn(5, 8, dtype=torch.bfloat16), torch.tensor([3, 0, 2]))
+
+
+def test_bf16_rows_with_fp32_weights_and_bias_under_autocast_match_reference(
+    assert_close, run_with_grads
+):
+    x_RD, w_EOD, counts_E = _inputs([5, 0, 9, 2], 16, 24, torch.float32)
+    x_RD = x_RD.bfloat16()
+    bias_EO = torch.randn(4, 24, generator=torch.Generator().manual_seed(1))
+
+    def run(fn):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return run_with_grads(lambda x, w, b: fn(x, w, counts_E, b), [x_RD, w_EOD, bias_EO])
+
+    (y, grads), (ref_y, ref_grads) = run(grouped_linear), run(grouped_linear_reference)
+    assert y.dtype == torch.bfloat16
+    assert [g.dtype for g in grads] == [torch.bfloat16, torch.float32, torch.float32]
+    assert_close(y.float(), ref_y.float(), torch.bfloat16, "out")
+    for name, g, rg in zip(["x", "w", "bias"], grads, ref_grads, strict=True):
+        assert_close(g.float(), rg.float(), torch.bfloat16, f"grad {name}")
 
 
 @pytest.mark.gpu

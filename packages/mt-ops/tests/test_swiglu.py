@@ -33,6 +33,35 @@ def test_swiglu_rejects_mismatched_shapes():
         swiglu(torch.randn(2, 8), torch.randn(2, 9))
 
 
+@pytest.mark.parametrize("fn", [swiglu, swiglu_reference])
+def test_swiglu_rejects_gate_and_up_of_different_dtypes_under_autocast_too(fn):
+    # Before, the eager op returned the promoted dtype (fp32) and the reference gate's (bf16).
+    gate, up = torch.randn(2, 4, 8)
+    match = r"up dtype \(torch.float32\) must equal gate dtype \(torch.bfloat16\); pass up.to"
+    with pytest.raises(ValueError, match=match):
+        fn(gate.bfloat16(), up)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match=match):
+        fn(gate.bfloat16(), up)
+
+
+def test_swiglu_of_two_projections_under_autocast_matches_reference(assert_close, run_with_grads):
+    # fp32 weights under autocast: both projections come out bf16, as the MLP feeds them.
+    gen = torch.Generator().manual_seed(3)
+    x, w_gate, w_up = torch.randn(3, 16, 32, generator=gen)
+
+    def run(fn):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            call = lambda x, wg, wu: fn(F.linear(x, wg), F.linear(x, wu))
+            return run_with_grads(call, [x, w_gate, w_up])
+
+    (out, grads), (ref_out, ref_grads) = run(swiglu), run(swiglu_reference)
+    assert out.dtype == ref_out.dtype == torch.bfloat16
+    assert_close(out.float(), ref_out.float(), torch.bfloat16, "out")
+    for name, g, rg in zip(["x", "w_gate", "w_up"], grads, ref_grads, strict=True):
+        assert g.dtype == torch.float32
+        assert_close(g, rg, torch.bfloat16, f"grad {name}")
+
+
 def test_fused_swiglu_kernel_matches_reference_in_interpreter(assert_close, run_with_grads):
     from mt_ops.swiglu import _kernel_function_for_test
 

@@ -31,6 +31,8 @@ Conventions:
   applied after normalization by :func:`apply_sinks`, so a context-parallel caller merges
   the partial (out, lse) of its chunks first and applies the sinks once.
 - The default scale is ``1 / sqrt(Dqk)``; v may have a head dim Dv different from q/k (MLA).
+- q, k and v share a dtype, as SDPA requires, unless autocast is on for their device
+  (SDPA then casts them to the autocast dtype).
 """
 
 import math
@@ -45,6 +47,8 @@ from torch.nn.attention.flex_attention import (
     create_block_mask,
     flex_attention,
 )
+
+from mt_ops._dtypes import check_same_dtype
 
 __all__ = ["apply_sinks", "attention", "attention_reference"]
 
@@ -78,6 +82,8 @@ def _check(q: Tensor, k: Tensor, v: Tensor, window: int | None, sinks: Tensor | 
             f"q shape ({tuple(q.shape)}) and k shape ({tuple(k.shape)}) must agree in batch "
             "and head_dim; use the same batch and q/k head size"
         )
+    # SDPA and flex refuse mixed dtypes outside autocast; the fp32 reference would accept them.
+    check_same_dtype(("q", q), ("k", k), ("v", v))
     num_q_heads, num_kv_heads = q.shape[1], k.shape[1]
     if num_kv_heads == 0 or num_q_heads % num_kv_heads:
         raise ValueError(

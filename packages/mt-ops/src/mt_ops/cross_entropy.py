@@ -16,7 +16,9 @@ Both ops return ``(loss_sum, num_valid)``: the fp32 sum of per-token cross-entro
 labels that are not ``ignore_index``, and the int64 number of such labels. Normalizing is
 the caller's job, so that a global token count can be used across ranks and micro-batches.
 Logits are computed in the dtype of the inputs and upcast to fp32 for the softmax, as
-Hugging Face models do.
+Hugging Face models do. Outside autocast ``hidden`` and ``weight`` must share a dtype (the
+logits matmul refuses a mix); under ``torch.autocast`` the matmuls run in the autocast
+dtype, so bf16 hidden states meet an fp32 head there.
 
 ``z_loss_weight`` adds PaLM's z-loss ``z · logsumexp(logits)²`` per valid token to the sum
 (it keeps the softmax normalizer near 1); its gradient ``2z · lse · softmax`` folds into
@@ -26,6 +28,8 @@ the same chunked pass.
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from mt_ops._dtypes import check_same_dtype
 
 __all__ = ["linear_cross_entropy", "linear_cross_entropy_reference"]
 
@@ -46,6 +50,7 @@ def _check(hidden_TD: Tensor, weight_VD: Tensor, labels_T: Tensor) -> None:
             f"labels shape ({tuple(labels_T.shape)}) must be [T] = [{hidden_TD.shape[0]}]; "
             "pass one label per hidden row"
         )
+    check_same_dtype(("weight", weight_VD), ("hidden", hidden_TD))
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -122,7 +127,8 @@ def linear_cross_entropy(
 
     Args:
         hidden_TD: Final hidden states [T, D].
-        weight_VD: Output projection (lm head) [V, D], same dtype as ``hidden_TD``.
+        weight_VD: Output projection (lm head) [V, D], same dtype as ``hidden_TD`` unless
+            autocast is on for their device.
         labels_T: Target token ids [T]; entries equal to ``ignore_index`` are skipped.
         ignore_index: Label value that contributes neither loss nor gradient.
         z_loss_weight: Weight z of the z-loss ``z · logsumexp²`` added per valid token.
@@ -151,7 +157,8 @@ def linear_cross_entropy_reference(
 
     Args:
         hidden_TD: Final hidden states [T, D].
-        weight_VD: Output projection (lm head) [V, D], same dtype as ``hidden_TD``.
+        weight_VD: Output projection (lm head) [V, D], same dtype as ``hidden_TD`` unless
+            autocast is on for their device.
         labels_T: Target token ids [T]; entries equal to ``ignore_index`` are skipped.
         ignore_index: Label value that contributes neither loss nor gradient.
         z_loss_weight: Weight z of the z-loss ``z · logsumexp²`` added per valid token.

@@ -40,7 +40,7 @@ from mt_ops.fp8_quant import (
     row_tiles,
 )
 from mt_ops.grouped_linear import GroupedLinear, segment_sum
-from mt_ops.grouped_linear import _check as _check_grouped_args
+from mt_ops.grouped_linear import _check_shapes as _check_grouped_args
 
 __all__ = [
     "FP8GroupedLinear",

@@ -13,11 +13,16 @@ The public op is an autograd function: on CUDA for bf16 with 16-byte aligned dim
 expert); elsewhere they are per-expert loops. The bias gradient is a segmented sum over
 each expert's rows (``torch.segment_reduce``, no atomics). With a
 :class:`~mt_ops.deferred_wgrad.WeightGradQueue` the weight gradient is deferred into it.
+
+Outside autocast ``x``, ``w`` and ``bias`` must share a dtype, as for ``nn.Linear``. Under
+``torch.autocast`` the op computes in the autocast dtype whatever their dtypes, and the
+gradients come back in the parameters' dtypes.
 """
 
 import torch
 from torch import Tensor, nn
 
+from mt_ops._dtypes import check_same_dtype
 from mt_ops.deferred_wgrad import WeightGradQueue, accumulate_grad
 
 __all__ = ["GroupedLinear", "grouped_linear", "grouped_linear_reference", "segment_sum"]
@@ -26,7 +31,9 @@ __all__ = ["GroupedLinear", "grouped_linear", "grouped_linear_reference", "segme
 _GROUPED_MM_ALIGN = 8
 
 
-def _check(x_RD: Tensor, w_EOD: Tensor, tokens_per_expert_E: Tensor) -> None:
+def _check_shapes(
+    x_RD: Tensor, w_EOD: Tensor, tokens_per_expert_E: Tensor, bias_EO: Tensor | None = None
+) -> None:
     if x_RD.dim() != 2 or w_EOD.dim() != 3 or x_RD.shape[1] != w_EOD.shape[2]:
         raise ValueError(
             f"x shape ({tuple(x_RD.shape)}) and w shape ({tuple(w_EOD.shape)}) must be "
@@ -37,6 +44,19 @@ def _check(x_RD: Tensor, w_EOD: Tensor, tokens_per_expert_E: Tensor) -> None:
             f"tokens_per_expert shape ({tuple(tokens_per_expert_E.shape)}) must be "
             f"[E] = [{w_EOD.shape[0]}]; pass one count per expert"
         )
+    if bias_EO is not None and bias_EO.shape != w_EOD.shape[:2]:
+        raise ValueError(
+            f"bias shape ({tuple(bias_EO.shape)}) must be [E, O] = {tuple(w_EOD.shape[:2])}"
+        )
+
+
+def _check(
+    x_RD: Tensor, w_EOD: Tensor, tokens_per_expert_E: Tensor, bias_EO: Tensor | None
+) -> None:
+    _check_shapes(x_RD, w_EOD, tokens_per_expert_E, bias_EO)
+    # Under autocast grouped_linear casts x and w to the autocast dtype and the bias to the
+    # output's, so only calls outside autocast need matching dtypes.
+    check_same_dtype(("w", w_EOD), ("x", x_RD), ("bias", bias_EO))
 
 
 def _use_grouped_mm(x_RD: Tensor, w_EOD: Tensor) -> bool:
@@ -161,7 +181,8 @@ def grouped_linear(
 
     Args:
         x_RD: Routed rows [R, D], expert e's rows consecutive, in expert order.
-        w_EOD: Stacked weights [E, O, D].
+        w_EOD: Stacked weights [E, O, D], of the dtype of ``x_RD`` (and ``bias_EO``)
+            unless autocast is on for their device.
         tokens_per_expert_E: Rows per expert, integer [E], summing to R.
         bias_EO: Optional per-expert bias [E, O], added to each of the expert's rows.
         wgrad_queue: If given, the weight gradient is pushed there instead of being
@@ -170,11 +191,7 @@ def grouped_linear(
     Returns:
         ``y`` [R, O] in the dtype of ``x_RD``.
     """
-    _check(x_RD, w_EOD, tokens_per_expert_E)
-    if bias_EO is not None and bias_EO.shape != w_EOD.shape[:2]:
-        raise ValueError(
-            f"bias shape ({tuple(bias_EO.shape)}) must be [E, O] = {tuple(w_EOD.shape[:2])}"
-        )
+    _check(x_RD, w_EOD, tokens_per_expert_E, bias_EO)
     param = w_EOD
     if torch.is_autocast_enabled(x_RD.device.type):
         # A custom Function sees no autocast: compute in the autocast dtype explicitly, as
@@ -232,14 +249,15 @@ def grouped_linear_reference(
 
     Args:
         x_RD: Routed rows [R, D], expert e's rows consecutive, in expert order.
-        w_EOD: Stacked weights [E, O, D].
+        w_EOD: Stacked weights [E, O, D], of the dtype of ``x_RD`` (and ``bias_EO``)
+            unless autocast is on for their device.
         tokens_per_expert_E: Rows per expert, integer [E], summing to R.
         bias_EO: Optional per-expert bias [E, O], added to each of the expert's rows.
 
     Returns:
         ``y`` [R, O] in the dtype of ``x_RD``.
     """
-    _check(x_RD, w_EOD, tokens_per_expert_E)
+    _check(x_RD, w_EOD, tokens_per_expert_E, bias_EO)
     counts = tokens_per_expert_E.tolist()  # host sync: the loop needs the split sizes
     if sum(counts) != x_RD.shape[0]:
         raise ValueError(

@@ -7,6 +7,8 @@ and writes the product; the backward recomputes ``sigmoid`` from the two saved i
 writes both gradients in one pass (3 reads + 2 writes instead of ~10 passes).
 
 On CPU the public op is the eager expression; the reference spells out ``sigmoid`` in fp32.
+``gate`` and ``up`` must share a dtype, under autocast too (which leaves elementwise ops
+alone), so that every path returns that dtype.
 """
 
 import torch
@@ -79,6 +81,13 @@ def _check(gate: Tensor, up: Tensor) -> None:
             f"gate shape ({tuple(gate.shape)}) must equal up shape ({tuple(up.shape)}); "
             "split a fused gate_up projection into two equal halves"
         )
+    # A mix gave the eager op PyTorch's promoted dtype but the reference gate's dtype (the
+    # kernel writes gate's too). Autocast casts no elementwise op: no exception under it.
+    if gate.dtype != up.dtype:
+        raise ValueError(
+            f"up dtype ({up.dtype}) must equal gate dtype ({gate.dtype}); pass "
+            "up.to(gate.dtype), or produce both with the same projection dtype"
+        )
 
 
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
@@ -92,7 +101,7 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
         Tensor of the shape and dtype of ``gate``.
     """
     _check(gate, up)
-    if use_kernels(gate, up) and gate.dtype == up.dtype and gate.numel():
+    if use_kernels(gate, up) and gate.numel():
         return _SwiGLUFn.apply(gate.contiguous(), up.contiguous())
     return F.silu(gate) * up
 

@@ -1,0 +1,39 @@
+"""The dtype rule of ops whose tensor arguments meet in one matmul or attention call.
+
+Outside autocast such arguments must share a dtype: PyTorch's matmul and SDPA refuse a
+bf16 activation against an fp32 weight with an error that names neither argument nor fix,
+and an op that upcasts everything (a reference) would silently accept it. Under
+``torch.autocast`` for the tensors' device the check is skipped: there matmul and SDPA cast
+their floating inputs to the autocast dtype (``grouped_linear`` casts explicitly), which
+is how one-GPU training runs bf16 activations against fp32 parameters.
+"""
+
+import torch
+from torch import Tensor
+
+__all__ = ["check_same_dtype"]
+
+
+def check_same_dtype(expected: tuple[str, Tensor], *others: tuple[str, Tensor | None]) -> None:
+    """Raises ``ValueError`` unless the others have the dtype of ``expected`` or autocast is on.
+
+    Costs a dtype comparison per tensor (no device work); only on a mismatch does it ask
+    whether autocast is on for the device of ``expected``.
+
+    Args:
+        expected: ``(argument name, tensor)`` whose dtype the others must have (the weight).
+        *others: ``(argument name, tensor)`` pairs; a None tensor (an absent bias) is skipped.
+    """
+    expected_name, expected_t = expected
+    for name, t in others:
+        if t is None or t.dtype == expected_t.dtype:
+            continue
+        device_type = expected_t.device.type
+        # is_autocast_enabled raises for a device without autocast (meta).
+        if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+            return
+        raise ValueError(
+            f"{name} dtype ({t.dtype}) must equal {expected_name} dtype ({expected_t.dtype}) "
+            f"outside autocast; pass {name}.to({expected_name}.dtype), or call under "
+            f"torch.autocast({device_type!r})"
+        )
