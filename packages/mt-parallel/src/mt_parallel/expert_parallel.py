@@ -247,10 +247,11 @@ class ExpertParallelDispatcher:
         num_tokens = ids_TK.shape[0]
         # The deduplicated send mask and per-rank counts come from mt-ops's planning kernels.
         source = plan_dispatch(ids_TK, self.num_experts, num_ranks=self.ep)
-        visits_PT = source.token_to_rank_TP.T  # [ep, T]: does token t go to rank p
-        _, send_token_ids_N = visits_PT.nonzero(as_tuple=True)  # grouped by rank, then token
         counts = source.tokens_per_rank_P.to(torch.int64)
         send_splits = counts.tolist()
+        visits_PT = source.token_to_rank_TP.T  # [ep, T]: does token t go to rank p
+        # Grouped by rank, then token; the size is known, so no second host sync.
+        send_token_ids_N = torch.nonzero_static(visits_PT, size=sum(send_splits))[:, 1]
         recv_counts = torch.empty_like(counts)
         dist.all_to_all_single(recv_counts, counts, group=self.group)
         recv_splits = recv_counts.tolist()
