@@ -106,6 +106,18 @@ def planning(copy_gbs: float) -> None:
               f" | eager {ref * 1e3:7.1f} us ({ref / ours:.2f}x)")  # fmt: skip
 
 
+def permute_kernels(x_TD, y_RD, plan, weights_TK) -> dict:
+    """The three permute kernels, called as the ops call them, by their PERMUTE_CONFIG prefix:
+    the permute (all T·K rows), the gather-sum (unpermute forward) and the unpermute backward
+    (x_TD as the output gradient)."""
+    num_rows = plan.num_tokens * plan.topk
+    return {
+        "fwd_": lambda: moe_permute._scatter_rows(x_TD, plan, num_rows),
+        "": lambda: moe_permute._gather_sum(y_RD, plan, weights_TK),
+        "bwd_": lambda: moe_permute._unpermute_backward(x_TD, y_RD, plan, weights_TK),
+    }
+
+
 def sweep() -> None:
     """Times the planning kernels' warps (GPU time) and each PERMUTE_CONFIG pair (columns per
     step, warps) of the three permute kernels at the planning shapes, prints them, and
@@ -124,13 +136,8 @@ def sweep() -> None:
     x = torch.randn(num_tokens, dim, device="cuda", dtype=torch.bfloat16)
     y = torch.randn(num_tokens * topk, dim, device="cuda", dtype=torch.bfloat16)
     weights = torch.rand(num_tokens, topk, device="cuda")
-    kernels = {
-        "fwd_": lambda: moe_permute._scatter_rows(x, plan),
-        "": lambda: moe_permute._gather_sum(y, plan, weights),
-        "bwd_": lambda: moe_permute._unpermute_backward(x, y, plan, weights),
-    }
     config = moe_permute.PERMUTE_CONFIG
-    for prefix, fn in kernels.items():
+    for prefix, fn in permute_kernels(x, y, plan, weights).items():
         times = {}
         for block_d in (512, 1024, 2048):
             for warps in (2, 4, 8):
