@@ -243,6 +243,21 @@ def test_init_from_a_source_with_another_rope_theta_and_norm_topk_prob_warns_nam
     assert "router_aux_loss_coef" not in warning and "max_position" not in warning
 
 
+def test_init_from_a_gpt_oss_saved_without_a_window_reports_no_config_difference(tmp_path):
+    # save_hf writes every layer "full_attention" and a window (transformers fails on a null
+    # one): the source's config reads back otherwise, with the same window in every layer.
+    config = dataclasses.replace(FAMILIES["gpt_oss"], sliding_window=None)
+    _write_hf(config, tmp_path / "hf", torch.float32)
+    source, _ = convert.read_init_weights(tmp_path / "hf")
+    assert (source.sliding_window, source.layer_types) != (None, config.layer_types)
+    assert convert.init_config_differences(source, config) == {}
+    # A window that some layer uses is a difference, named by the fields to override.
+    windowed = dataclasses.replace(config, sliding_window=8)
+    assert set(convert.init_config_differences(source, windowed)) == {
+        "layer_types", "sliding_window"
+    }
+
+
 def test_mt_to_hf_writes_the_tokenizer_eos_id_into_config_json(tmp_path, mt_checkpoint):
     # transformers' generate stops at config.json's eos_token_id when no
     # generation_config.json travels with the weights.

@@ -30,7 +30,7 @@ import torch.distributed.checkpoint as dcp
 
 from mt_data import default_tokenizer_path
 from mt_data.tokenizer import load_tokenizer
-from mt_models import MODEL_FAMILIES, load_hf, save_hf_tensors
+from mt_models import MODEL_FAMILIES, GptOssConfig, load_hf, save_hf_tensors
 from mt_models.configs import TRAINING_ONLY_FIELDS
 from mt_train.checkpoint import FORMAT_VERSION
 
@@ -346,13 +346,24 @@ def init_config_differences(source: Any, model_config: Any) -> dict[str, tuple[A
 
     Returns:
         Field → (the source's value, the run's value), JSON-normalized; empty when they
-        agree or the source is of another family (its weights then do not load).
+        agree or the source is of another family (its weights then do not load). GPT-OSS's
+        ``sliding_window`` and ``layer_types`` differ only where some layer's window does.
     """
     if type(source) is not type(model_config):
         return {}
     theirs, ours = (json.loads(json.dumps(_asdict(c))) for c in (source, model_config))
-    return {
+    differences = {
         key: (theirs[key], ours[key])
         for key in sorted(theirs)
         if key not in _NOT_ARCHITECTURE and theirs[key] != ours[key]
     }
+    # save_hf writes a GPT-OSS without a window as every layer "full_attention" with a window
+    # (transformers fails on a null one): another config, the same model.
+    if isinstance(source, GptOssConfig) and _layer_windows(source) == _layer_windows(model_config):
+        differences.pop("sliding_window", None)
+        differences.pop("layer_types", None)
+    return differences
+
+
+def _layer_windows(config: GptOssConfig) -> list[int | None]:
+    return [config.window(i) for i in range(config.num_hidden_layers)]
