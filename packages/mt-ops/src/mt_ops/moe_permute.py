@@ -1,6 +1,7 @@
-"""MoE token permutation: gather tokens into expert order, and the weighted combine back.
+"""MoE token permutation: put tokens into expert order, and the weighted combine back.
 
-Legend: T tokens, D model dim, E experts, K top-k, R routed rows (R = T·K).
+Legend: T tokens, D model dim, E experts, K top-k, R routed rows (R = T·K, or the plan's
+first ``num_rows`` when only those are kept).
 
 The routing plan (:mod:`mt_ops.moe_plan`) sorts the T·K slots by expert. ``permute``
 puts token rows into that order; ``unpermute`` brings expert outputs back, weights them
