@@ -18,8 +18,9 @@ expert can get; the rest by Zipf-like popularity, so tail experts get few or non
 
 Standards are the other tests': plans and permutation exact, quantizers bit for bit, fp32
 GEMM outputs within Hopper's FP8 accumulation of the exact emulation, one FP8 product within
-calc_diff 1e-3 of the unquantized product and a chain of them (the expert MLP) within 3e-3,
-the fused MLP equal to the unfused modules.
+calc_diff 1e-3 of the unquantized product and a chain of them (the expert MLP) within 3e-3
+of the BF16 path (4e-3 for the few top-k weight gradients, see FP8_CHAIN_FEW_VALUES), the
+fused MLP equal to the unfused modules.
 
 The check bodies take a ``Where``, so they also run on CPU: here for the odd shape (the
 public ops run their references and the emulation there, and the planning and permutation
