@@ -214,6 +214,8 @@ def test_kept_rows_are_checked():
     plan = plan_dispatch(topk_ids_TK, 5)
     with pytest.raises(ValueError, match=r"num_rows \(9\) must be in \[0, T·K = 8\]"):
         permute(torch.randn(4, 6), plan, num_rows=9)
+    with pytest.raises(TypeError, match="num_rows must be a Python int, got Tensor"):
+        permute(torch.randn(4, 6), plan, num_rows=torch.tensor(3))
     with pytest.raises(ValueError, match=r"must be \[R=3, D\].*kept"):
         unpermute(torch.randn(8, 6), plan, weights_TK, num_rows=3)
 

@@ -185,6 +185,11 @@ def _num_rows(plan: DispatchPlan, num_rows: int | None) -> int:
     total = plan.num_tokens * plan.topk
     if num_rows is None:
         return total
+    if isinstance(num_rows, Tensor) or not isinstance(num_rows, int):
+        raise TypeError(
+            f"num_rows must be a Python int, got {type(num_rows).__name__}; it sizes the "
+            "output on the host, so read a device count once with int(...) or .tolist()"
+        )
     if not 0 <= num_rows <= total:
         raise ValueError(
             f"num_rows ({num_rows}) must be in [0, T·K = {total}]: the plan's first rows, "
