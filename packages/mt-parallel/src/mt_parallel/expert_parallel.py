@@ -8,7 +8,9 @@ dispatch (on the token's rank):
     1. For every token, the EP ranks that own at least one of its K experts
        (mt_ops.plan_dispatch with num_ranks). A token is
        sent once to each such rank, not once per expert (deduplication): N ≤ T·min(K, ep).
-    2. all-to-all of the row counts, then of the rows, with their top-k ids and weights.
+    2. all-to-all of the row counts (with the top-k choices each rank's rows carry for its
+       experts, so the receiver knows R: one host sync per dispatch), then of the rows,
+       with their top-k ids and weights.
     3. On the expert rank: the received rows' choices of local experts are sorted by
        expert (mt_ops.plan_dispatch, choices of other ranks' experts go to a dropped
        bucket) and gathered into the grouped-GEMM layout.
@@ -247,14 +249,20 @@ class ExpertParallelDispatcher:
         num_tokens = ids_TK.shape[0]
         # The deduplicated send mask and per-rank counts come from mt-ops's planning kernels.
         source = plan_dispatch(ids_TK, self.num_experts, num_ranks=self.ep)
-        counts = source.tokens_per_rank_P.to(torch.int64)
-        send_splits = counts.tolist()
+        # Per destination rank: the rows sent (deduplicated tokens) and the top-k choices
+        # they carry for that rank's experts; a receiver's choices sum to its R.
+        choices_P = source.tokens_per_expert_E.view(self.ep, self.num_local).sum(1)
+        counts_P2 = torch.stack([source.tokens_per_rank_P.to(torch.int64), choices_P], 1)
+        recv_counts_P2 = torch.empty_like(counts_P2)
+        dist.all_to_all_single(recv_counts_P2, counts_P2, group=self.group)
+        # The one host sync of a dispatch: the all-to-alls and the permute need sizes as ints.
+        sizes = torch.cat([counts_P2[:, 0], recv_counts_P2[:, 0], recv_counts_P2[:, 1].sum()[None]])
+        sizes = sizes.tolist()
+        send_splits, recv_splits = sizes[: self.ep], sizes[self.ep : 2 * self.ep]
+        num_routed = sizes[-1]
         visits_PT = source.token_to_rank_TP.T  # [ep, T]: does token t go to rank p
         # Grouped by rank, then token; the size is known, so no second host sync.
         send_token_ids_N = torch.nonzero_static(visits_PT, size=sum(send_splits))[:, 1]
-        recv_counts = torch.empty_like(counts)
-        dist.all_to_all_single(recv_counts, counts, group=self.group)
-        recv_splits = recv_counts.tolist()
 
         # Ids first: the expert-side plan needs only them, so it overlaps the rows' trip
         # (the all-to-alls of one group run in turn, in launch order; weights are read last).
@@ -271,8 +279,7 @@ class ExpertParallelDispatcher:
         # Choices of other ranks' experts go to bucket e (= num_local), sorted last.
         local_MK = torch.where(is_local_MK, local_MK, self.num_local)
         plan = plan_dispatch(local_MK, self.num_local + 1)
-        tokens_per_expert_e = plan.tokens_per_expert_E[: self.num_local]
-        num_routed = int(tokens_per_expert_e.sum())
+        tokens_per_expert_e = plan.tokens_per_expert_E[: self.num_local]  # sums to num_routed
         # Only rows of local experts are written: the bucket of other ranks' choices (most of
         # the M·K rows once ep > 1) is dropped, and unpermute counts it as zero.
         tokens_RD = permute(x_MD(), plan, num_rows=num_routed)  # [R, D]
