@@ -42,9 +42,8 @@ def kernel_us(fn, calls: int = 10) -> float:
 
 def eager_plan(topk_ids_TK, num_experts, num_ranks):
     """The fields of a DispatchPlan in eager ops, as ``plan_dispatch_reference`` makes them
-    (without its range check). Only what ``plan_dispatch`` returns: the send list
-    (``nonzero_static`` sized by the rank counts) is made from the plan by the caller on both
-    paths."""
+    (without its range check). Only what ``plan_dispatch`` returns: the EP dispatcher's send
+    order (a second plan, over ranks) is made by the caller on both paths."""
     ids = topk_ids_TK.reshape(-1)
     counts = torch.bincount(ids, minlength=num_experts)
     sorted_slot = torch.argsort(ids, stable=True)

@@ -192,7 +192,8 @@ class ExpertParallelHandle:
         plan: the expert-side routing plan of the received rows (with a dropped bucket).
         weights_MK: received top-k weights, zero where the expert is not local [M, K].
         num_routed: rows that reach a local expert (R).
-        send_token_ids_N: the token of each sent row, grouped by destination rank [N].
+        send_plan: the token-side plan over ranks: its first N rows are the sent rows,
+            grouped by destination rank, then token.
         send_splits: rows sent to each EP rank.
         recv_splits: rows received from each EP rank.
         num_tokens: T.
@@ -201,7 +202,7 @@ class ExpertParallelHandle:
     plan: DispatchPlan
     weights_MK: Tensor
     num_routed: int
-    send_token_ids_N: Tensor
+    send_plan: DispatchPlan
     send_splits: list[int]
     recv_splits: list[int]
     num_tokens: int
@@ -260,15 +261,21 @@ class ExpertParallelDispatcher:
         sizes = sizes.tolist()
         send_splits, recv_splits = sizes[: self.ep], sizes[self.ep : 2 * self.ep]
         num_routed = sizes[-1]
-        visits_PT = source.token_to_rank_TP.T  # [ep, T]: does token t go to rank p
-        # Grouped by rank, then token; the size is known, so no second host sync.
-        send_token_ids_N = torch.nonzero_static(visits_PT, size=sum(send_splits))[:, 1]
+        # The send order (grouped by rank, then token) is a dispatch plan over ranks: slot
+        # (t, p) holds p where token t visits rank p, else bucket P, sorted last and dropped.
+        # permute then writes each sent row once, and combine's unpermute sums each token's
+        # returned rows without atomics.
+        rank_ids_TP = torch.arange(self.ep, device=ids_TK.device).expand(num_tokens, -1)
+        rank_ids_TP = torch.where(source.token_to_rank_TP, rank_ids_TP, self.ep)
+        send_plan = plan_dispatch(rank_ids_TP, self.ep + 1)
+        num_sent = sum(send_splits)
+        send_token_ids_N = send_plan.sorted_token_ids_R[:num_sent]
 
         # Ids first: the expert-side plan needs only them, so it overlaps the rows' trip
         # (the all-to-alls of one group run in turn, in launch order; weights are read last).
         ids_MK = self._send(ids_TK.index_select(0, send_token_ids_N), recv_splits, send_splits)
         x_MD = self._send(
-            routed.hidden_TD.index_select(0, send_token_ids_N), recv_splits, send_splits
+            permute(routed.hidden_TD, send_plan, num_rows=num_sent), recv_splits, send_splits
         )
         weights_MK = self._send(
             weights_TK.index_select(0, send_token_ids_N), recv_splits, send_splits
@@ -288,7 +295,7 @@ class ExpertParallelDispatcher:
             plan=plan,
             weights_MK=weights * is_local_MK.to(weights.dtype),
             num_routed=num_routed,
-            send_token_ids_N=send_token_ids_N,
+            send_plan=send_plan,
             send_splits=send_splits,
             recv_splits=recv_splits,
             num_tokens=num_tokens,
@@ -310,16 +317,10 @@ class ExpertParallelDispatcher:
         )  # [M, D]: other ranks' choices count as zero
         # Waited on at once, so nothing to overlap: the plain synchronous exchange.
         back_ND = all_to_all(partial_MD, handle.send_splits, handle.recv_splits, self.group)
-        # One index_add per source rank, in rank order: within a rank's rows each token
-        # appears once, so no two additions race and the sum is the same bits every run.
-        out_TD = back_ND.new_zeros(handle.num_tokens, back_ND.shape[1])
-        per_rank = zip(
-            handle.send_token_ids_N.split(handle.send_splits),
-            back_ND.split(handle.send_splits),
-            strict=True,
-        )
-        for token_ids, rows in per_rank:
-            out_TD.index_add_(0, token_ids, rows)
+        # Each token's rows from the ranks it visited, summed in fp32 in rank order (the
+        # same bits every run); ranks it did not visit count as zero.
+        ones_TP = back_ND.new_ones(handle.num_tokens, self.ep, dtype=torch.float32)
+        out_TD = unpermute(back_ND, handle.send_plan, ones_TP, num_rows=back_ND.shape[0])
         return out_TD  # [T, D]
 
 
