@@ -318,6 +318,9 @@ class CausalLM(nn.Module):
         Non-expert FQNs already are Hub keys. A stacked expert tensor
         ``<prefix>.gate_proj.weight`` [E, F, D] becomes ``<prefix>.{e}.gate_proj.weight`` → ``t[e]``
         for global expert ids e, as views sharing storage (writes land in the stack).
+        FSDP2-sharded tensors (DTensors) are not gathered: a non-expert one keeps its key as
+        it is, and a sharded expert stack (sharded along the expert dim, so each rank holds
+        whole experts) gives only the experts of this rank's shard, as views of it.
 
         Args:
             tensors: Keyed by this model's parameter FQNs: the parameters themselves or
@@ -337,9 +340,10 @@ class CausalLM(nn.Module):
                         f"{fqn} has {tensor.shape[0]} experts in dim 0 but the module holds "
                         f"{module.num_experts}; pass tensors shaped like the parameters"
                     )
-                for local in range(module.num_experts):
-                    expert_id = module.first_expert_id + local
-                    out[f"{prefix}.{expert_id}.{name}"] = tensor[local]
+                first, local = _experts_held(fqn, tensor)
+                for i in range(local.shape[0]):
+                    expert_id = module.first_expert_id + first + i
+                    out[f"{prefix}.{expert_id}.{name}"] = local[i]
             elif fqn in param_names:
                 out[fqn] = tensor
             else:
@@ -421,3 +425,20 @@ class CausalLM(nn.Module):
                 param.to_local().copy_(piece)
             else:
                 param.copy_(full)
+
+
+def _experts_held(fqn: str, stack: Tensor) -> tuple[int, Tensor]:
+    """``(index of the first, the experts)`` this rank holds of an expert stack [e, ...]:
+    all of a plain tensor; of an FSDP2 shard, the local experts."""
+    if not isinstance(stack, DTensor):
+        return 0, stack
+    shape, offset = compute_local_shape_and_global_offset(
+        stack.shape, stack.device_mesh, stack.placements
+    )
+    local = stack.to_local()
+    if tuple(shape[1:]) != tuple(stack.shape[1:]) or tuple(local.shape) != tuple(shape):
+        raise ValueError(
+            f"{fqn} is sharded as {stack.placements}, which splits experts; shard expert "
+            "stacks along dim 0 only (FSDP2's default Shard(0)), so each rank holds whole experts"
+        )
+    return offset[0], local

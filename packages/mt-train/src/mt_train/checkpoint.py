@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
@@ -76,26 +77,21 @@ def latest_checkpoint(root: str | Path) -> Checkpoint | None:
 
 
 class _Tensors:
-    """The canonical tensors of a model and optimizer, and how to write loads back.
+    """The canonical tensors of a model and optimizer, as this rank holds them.
 
-    In one process the tensors are views of the live parameters and states, so DCP
-    loads straight into them. Under FSDP2 a parameter is a DTensor shard: saving
-    gathers it to a whole tensor (identical on the ranks that hold replicas, so DCP
-    writes it once); loading fills a whole tensor and copies this rank's shard back.
+    Nothing is gathered, so saving and loading need no memory beyond the shards. In one
+    process the tensors are views of the live parameters and states. Under FSDP2 a
+    non-expert parameter (or Adam moment) goes to DCP as its DTensor: each rank writes its
+    own shard with its place in the whole, and a load reads each rank's piece of the
+    new layout. A sharded expert stack holds whole experts on each rank, so each expert's
+    key is a view of this rank's shard, named on that rank only. DCP loads into all of
+    them in place.
     """
 
-    def __init__(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, for_load: bool
-    ):
-        self.writeback: list[tuple[DTensor, torch.Tensor]] = []
-        self._for_load = for_load
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None):
         params = dict(model.named_parameters())
-        self.tensors = {
-            f"model/{k}": v
-            for k, v in model.to_canonical(
-                {name: self._whole(p) for name, p in params.items()}
-            ).items()
-        }
+        canonical = model.to_canonical({name: p.detach() for name, p in params.items()})
+        self.tensors = {f"model/{k}": v for k, v in canonical.items()}
         fqn_of = {param: name for name, param in params.items()}
         steps = []
         for param, state in optimizer.state.items() if optimizer is not None else ():
@@ -103,11 +99,9 @@ class _Tensors:
                 continue
             fqn = fqn_of[param]
             for moment in ("exp_avg", "exp_avg_sq"):
-                whole = {fqn: self._whole(state[moment])}
-                for key, view in model.to_canonical(whole).items():
+                for key, view in model.to_canonical({fqn: state[moment]}).items():
                     self.tensors[f"optim/{key}/{moment}"] = view
             steps.append(state["step"])
-        self.steps = steps
         if steps:
             assert all(torch.equal(s, steps[0]) for s in steps), "optimizer steps differ"
             self.tensors["optim/step"] = steps[0].detach().clone()
@@ -115,22 +109,17 @@ class _Tensors:
         if torch.cuda.is_available():
             self.tensors["rng/cuda"] = torch.cuda.get_rng_state()
 
-    def _whole(self, t: torch.Tensor) -> torch.Tensor:
-        if not isinstance(t, DTensor):
-            return t.detach()
-        if not self._for_load:
-            return t.detach().full_tensor()
-        whole = torch.empty(t.shape, dtype=t.dtype, device=t.to_local().device)
-        self.writeback.append((t, whole))
-        return whole
 
-    def write_back(self) -> None:
-        """Copies loaded whole tensors into this rank's DTensor shards."""
-        for dtensor, whole in self.writeback:
-            shard = distribute_tensor(
-                whole, dtensor.device_mesh, dtensor.placements, src_data_rank=None
-            )
-            dtensor.to_local().detach().copy_(shard.to_local())
+def _copy_whole_into(target: torch.Tensor, whole: torch.Tensor) -> None:
+    """Copies a whole tensor into `target`; into this rank's piece if `target` is a shard."""
+    if isinstance(target, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(
+            target.shape, target.device_mesh, target.placements
+        )
+        piece = whole[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+        target.to_local().copy_(piece)
+    else:
+        target.copy_(whole)
 
 
 def _is_main() -> bool:
@@ -190,7 +179,7 @@ def save_checkpoint(
         for stale in (*root.glob(".tmp-step_*"), *root.glob(".old-step_*")):
             shutil.rmtree(stale, ignore_errors=True)
     _barrier()
-    tensors = _Tensors(model, optimizer, for_load=False).tensors
+    tensors = _Tensors(model, optimizer).tensors
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(tensors, checkpoint_id=tmp)
@@ -262,7 +251,7 @@ class AsyncCheckpointer:
             for stale in (*self.root.glob(".tmp-step_*"), *self.root.glob(".old-step_*")):
                 shutil.rmtree(stale, ignore_errors=True)
         _barrier()
-        tensors = _Tensors(model, optimizer, for_load=False).tensors
+        tensors = _Tensors(model, optimizer).tensors
         tmp = self.root / f".tmp-step_{step:08d}"
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -308,8 +297,7 @@ def load_checkpoint(
     Returns:
         The checkpoint's JSON train state.
     """
-    loaded = _Tensors(model, optimizer, for_load=True)
-    tensors = loaded.tensors
+    tensors = _Tensors(model, optimizer).tensors
     metadata = dcp.FileSystemReader(checkpoint.path).read_metadata()
     saved = metadata.state_dict_metadata
     missing = sorted(set(tensors) - set(saved))
@@ -340,7 +328,6 @@ def load_checkpoint(
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(tensors, checkpoint_id=checkpoint.path)
-    loaded.write_back()
     if "optim/step" in tensors:
         for state in optimizer.state.values():
             if state:
@@ -359,9 +346,10 @@ def load_model_weights(model: nn.Module, canonical: dict[str, torch.Tensor], sou
         canonical: Hub key → whole tensor, for every parameter of the model.
         source: where the tensors came from, for error messages.
     """
-    loaded = _Tensors(model, None, for_load=True)
     targets = {
-        k.removeprefix("model/"): v for k, v in loaded.tensors.items() if k.startswith("model/")
+        k.removeprefix("model/"): v
+        for k, v in _Tensors(model, None).tensors.items()
+        if k.startswith("model/")
     }
     missing = sorted(set(targets) - set(canonical))
     if missing:
@@ -382,5 +370,4 @@ def load_model_weights(model: nn.Module, canonical: dict[str, torch.Tensor], sou
                     f"{key}: {source} has shape {tuple(canonical[key].shape)} but the model "
                     f"has {tuple(target.shape)}; choose model.* overrides that match the source"
                 )
-            target.copy_(canonical[key])
-    loaded.write_back()
+            _copy_whole_into(target, canonical[key])

@@ -1,0 +1,109 @@
+"""Checkpoints of an FSDP2-sharded model gather nothing and load under any layout.
+
+Two gloo ranks save a Qwen3-MoE debug model sharded over dp = 2 (experts split between
+the ranks) with `DTensor.full_tensor` and `redistribute` made to fail, so a save that
+gathered a parameter or Adam moment would raise. The checkpoint is then loaded, again
+without gathering, under ep = 2 (each rank owning half the experts) and into a plain
+unsharded model on each rank; every canonical tensor, the optimizer step and nothing
+else must come back bit for bit.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from mt_models import build_model, qwen3_moe
+from mt_parallel import ParallelDims, parallelize
+from mt_parallel.testing import spawn
+from mt_train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from mt_train.optim import init_optimizer_state
+
+pytestmark = pytest.mark.slow
+
+
+def _config():
+    return replace(
+        qwen3_moe.debug(), vocab_size=64, hidden_size=32, intermediate_size=64,
+        moe_intermediate_size=16, num_hidden_layers=2, head_dim=8, mlp_only_layers=(1,),
+    )  # fmt: skip
+
+
+@contextmanager
+def _no_gathers():
+    saved = DTensor.full_tensor, DTensor.redistribute
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a checkpoint gathered a sharded tensor")
+
+    DTensor.full_tensor = DTensor.redistribute = refuse
+    try:
+        yield
+    finally:
+        DTensor.full_tensor, DTensor.redistribute = saved
+
+
+def _model_and_optimizer(layout: dict[str, int] | None):
+    with torch.device("meta"):
+        model = build_model(_config())
+    if layout is None:
+        model.to_empty(device="cpu")
+        model.init_weights(1)
+    else:
+        parallelize(model, ParallelDims(world_size=2, **layout), "cpu", seed=1)
+    optimizer = torch.optim.AdamW(model.parameters())
+    init_optimizer_state(optimizer)
+    return model, optimizer
+
+
+def _whole_canonical(model, optimizer) -> dict[str, torch.Tensor]:
+    """Every canonical tensor this rank holds, gathered whole (after the checks)."""
+    out = {}
+    for fqn, param in model.named_parameters():
+        tensors = {
+            "model": param,
+            **{m: optimizer.state[param][m] for m in ("exp_avg", "exp_avg_sq")},
+        }
+        for kind, tensor in tensors.items():
+            whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            for key, value in model.to_canonical({fqn: whole.detach()}).items():
+                out[f"{kind}/{key}"] = value.clone()
+    return out
+
+
+def _round_trip(root: str) -> None:
+    model, optimizer = _model_and_optimizer({"dp": 2})
+    gen = torch.Generator().manual_seed(5 + torch.distributed.get_rank())
+    for state in optimizer.state.values():  # distinct moments on every shard
+        for moment in ("exp_avg", "exp_avg_sq"):
+            local = state[moment].to_local()
+            local.copy_(torch.rand(local.shape, generator=gen))
+        state["step"].fill_(7)
+    with _no_gathers():
+        save_checkpoint(root, 7, model, optimizer, {"note": "sharded"})
+    expected = _whole_canonical(model, optimizer)
+    assert any(".experts.7." in key for key in expected)  # both ranks' experts
+
+    for layout in ({"ep": 2}, None):
+        other, other_optimizer = _model_and_optimizer(layout)
+        with _no_gathers():
+            state = load_checkpoint(latest_checkpoint(root), other, other_optimizer)
+        assert state["note"] == "sharded"
+        got = _whole_canonical(other, other_optimizer)
+        if layout is not None:  # each EP rank holds half the experts
+            assert len(got) < len(expected)
+        for key, value in got.items():
+            assert torch.equal(value, expected[key]), f"{layout}: {key} differs"
+        for param_state in other_optimizer.state.values():
+            assert int(param_state["step"]) == 7
+
+
+def test_sharded_checkpoints_gather_nothing_and_load_under_another_layout(tmp_path, monkeypatch):
+    # Spawned ranks take this process's sys.path and import tests.test_checkpoint_sharded.
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
+    spawn(_round_trip, 2, str(tmp_path / "checkpoints"))
