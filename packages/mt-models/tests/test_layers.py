@@ -29,7 +29,8 @@ def test_phases_composed_by_hand_equal_forward_for_every_family(family, build_de
 
 
 class RecordingCore:
-    """A stand-in for mt-parallel's ring core: records its arguments, then runs the local one."""
+    """A stand-in for mt-parallel's context-parallel core: records its arguments, then runs
+    the local one."""
 
     def __init__(self):
         self.calls = []

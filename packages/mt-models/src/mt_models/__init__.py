@@ -1,5 +1,7 @@
 """mt-models: mixture-of-experts model families in plain PyTorch behind a five-phase
-layer protocol (attend, dispatch, experts, combine, aggregate). No distributed code."""
+layer protocol (attend, dispatch, experts, combine, aggregate). No process groups,
+ranks or collectives: the one contact with ``torch.distributed`` is ``CausalLM.init_weights``
+recognizing FSDP2's DTensor shards (``base.py``), so it can initialize a sharded model."""
 
 from mt_models.base import CausalLM, LossOutput
 from mt_models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM

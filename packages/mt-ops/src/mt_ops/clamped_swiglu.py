@@ -5,8 +5,9 @@ stores the two interleaved in one matrix). Both are clamped to ``limit`` (the ga
 above only, up to ``[-limit, limit]``), then ``out = (up + 1) · gate · sigmoid(alpha · gate)``.
 
 Eager PyTorch runs two strided slices, two clamps, a sigmoid and three multiplies, each a
-trip through memory, and autograd saves several temporaries. A fused kernel (later) reads
-``gate_up`` once, writes ``out``, and recomputes the activation in the backward.
+trip through memory, and autograd saves several temporaries. The fused kernel
+(``clamped_swiglu_fused`` in ``clamped_swiglu_kernel.py``) reads ``gate_up`` once, writes
+``out``, and recomputes the activation in the backward.
 
 The public op is the eager expression in fp32 (strided slices, ``clamp``); the reference
 spells it out differently (pairs view, ``where``, ``exp``), also in fp32.

@@ -9,9 +9,11 @@ Layout of a run directory::
 
 Tensor keys are the Hugging Face parameter names, one key per expert
 (``model/<hf key>``, ``optim/<hf key>/exp_avg``, ``optim/<hf key>/exp_avg_sq``), so a
-checkpoint does not depend on how parameters are stacked or sharded. The whole
-checkpoint is written into a temporary directory that is renamed when complete: a
-crash in the middle of a save leaves the previous checkpoint as the newest complete one.
+checkpoint does not depend on how parameters are stacked or sharded; beside them are
+``optim/step`` (AdamW's step count) and the RNG states ``rng/cpu`` and, with CUDA,
+``rng/cuda``. The whole checkpoint is written into a temporary directory that is renamed
+when complete: a crash in the middle of a save leaves the previous checkpoint as the newest
+complete one.
 """
 
 from __future__ import annotations

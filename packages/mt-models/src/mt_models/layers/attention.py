@@ -9,7 +9,8 @@ Every attention module computes q, k, v and RoPE itself, then calls its ``attent
                                    window=..., sinks_H=...)
 
 The default core, :class:`LocalAttention`, calls ``mt_ops.attention`` over the whole
-sequence. mt-parallel swaps in a context-parallel (ring) core with the same call.
+sequence. mt-parallel swaps in a context-parallel core with the same call (it all-gathers
+the keys and values of the CP ranks).
 """
 
 from typing import Protocol, runtime_checkable
