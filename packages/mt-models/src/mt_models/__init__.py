@@ -1,7 +1,8 @@
 """mt-models: mixture-of-experts model families in plain PyTorch behind a five-phase
 layer protocol (attend, dispatch, experts, combine, aggregate). No process groups,
-ranks or collectives: the one contact with ``torch.distributed`` is ``CausalLM.init_weights``
-recognizing FSDP2's DTensor shards (``base.py``), so it can initialize a sharded model."""
+ranks or collectives: the one contact with ``torch.distributed`` is ``CausalLM`` recognizing
+FSDP2's DTensor shards (``base.py``), so ``init_weights`` initializes a sharded model and
+``to_canonical`` names this rank's experts without gathering them."""
 
 from mt_models.base import CausalLM, LossOutput
 from mt_models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
