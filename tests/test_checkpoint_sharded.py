@@ -4,24 +4,27 @@ Two gloo ranks save a Qwen3-MoE debug model sharded over dp = 2 (experts split b
 the ranks) with `DTensor.full_tensor` and `redistribute` made to fail, so a save that
 gathered a parameter or Adam moment would raise. The checkpoint is then loaded, again
 without gathering, under ep = 2 (each rank owning half the experts) and into a plain
-unsharded model on each rank; every canonical tensor, the optimizer step and nothing
-else must come back bit for bit.
+unsharded model on each rank; every canonical tensor and the optimizer step must come
+back bit for bit. `init_from` of the checkpoint and of its Hugging Face export fills
+sharded models (dp = 2, ep = 2) the same way.
 """
 
 from __future__ import annotations
 
+import json
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from mt_models import build_model, qwen3_moe
+from mt_models import build_model, qwen3_moe, save_hf
 from mt_parallel import ParallelDims, parallelize
 from mt_parallel.testing import spawn
 from mt_train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from mt_train.convert import init_config_differences, init_from_weights
 from mt_train.optim import init_optimizer_state
 
 pytestmark = pytest.mark.slow
@@ -32,6 +35,11 @@ def _config():
         qwen3_moe.debug(), vocab_size=64, hidden_size=32, intermediate_size=64,
         moe_intermediate_size=16, num_hidden_layers=2, head_dim=8, mlp_only_layers=(1,),
     )  # fmt: skip
+
+
+_TRAIN_STATE = json.loads(
+    json.dumps({"config": {"model_family": "qwen3_moe", "model": asdict(_config())}})
+)
 
 
 @contextmanager
@@ -85,7 +93,7 @@ def _round_trip(root: str) -> None:
             local.copy_(torch.rand(local.shape, generator=gen))
         state["step"].fill_(7)
     with _no_gathers():
-        save_checkpoint(root, 7, model, optimizer, {"note": "sharded"})
+        save_checkpoint(root, 7, model, optimizer, _TRAIN_STATE)
     expected = _whole_canonical(model, optimizer)
     assert any(".experts.7." in key for key in expected)  # both ranks' experts
 
@@ -93,7 +101,9 @@ def _round_trip(root: str) -> None:
         other, other_optimizer = _model_and_optimizer(layout)
         with _no_gathers():
             state = load_checkpoint(latest_checkpoint(root), other, other_optimizer)
-        assert state["note"] == "sharded"
+        assert state["config"] == _TRAIN_STATE["config"]
+        if layout is None:
+            whole_model = other
         got = _whole_canonical(other, other_optimizer)
         if layout is not None:  # each EP rank holds half the experts
             assert len(got) < len(expected)
@@ -101,6 +111,21 @@ def _round_trip(root: str) -> None:
             assert torch.equal(value, expected[key]), f"{layout}: {key} differs"
         for param_state in other_optimizer.state.values():
             assert int(param_state["step"]) == 7
+
+    # init_from (model tensors only) of the mt checkpoint and of its Hugging Face export,
+    # into a sharded model: each rank reads its own pieces, nothing is gathered.
+    hf_dir = Path(root).parent / f"hf_{torch.distributed.get_rank()}"  # one per rank
+    save_hf(whole_model, hf_dir)
+    for source in (latest_checkpoint(root).path, hf_dir):
+        for layout in ({"dp": 2}, {"ep": 2}):
+            other, other_optimizer = _model_and_optimizer(layout)
+            with _no_gathers():
+                source_config = init_from_weights(other, source)
+            assert init_config_differences(source_config, _config()) == {}
+            got = _whole_canonical(other, other_optimizer)
+            for key, value in got.items():
+                if key.startswith("model/"):
+                    assert torch.equal(value, expected[key]), f"{source} {layout}: {key} differs"
 
 
 def test_sharded_checkpoints_gather_nothing_and_load_under_another_layout(tmp_path, monkeypatch):

@@ -248,7 +248,7 @@ def test_init_from_a_gpt_oss_saved_without_a_window_reports_no_config_difference
     # one): the source's config reads back otherwise, with the same window in every layer.
     config = dataclasses.replace(FAMILIES["gpt_oss"], sliding_window=None)
     _write_hf(config, tmp_path / "hf", torch.float32)
-    source, _ = convert.read_init_weights(tmp_path / "hf")
+    source = convert.read_init_config(tmp_path / "hf")
     assert (source.sliding_window, source.layer_types) != (None, config.layer_types)
     assert convert.init_config_differences(source, config) == {}
     # A window that some layer uses is a difference, named by the fields to override.

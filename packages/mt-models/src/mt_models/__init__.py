@@ -8,7 +8,7 @@ from mt_models.base import CausalLM, LossOutput
 from mt_models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
 from mt_models.dispatch import LocalDispatcher, LocalRoute
 from mt_models.gpt_oss import GptOssConfig, GptOssForCausalLM
-from mt_models.hf_io import load_hf, save_hf, save_hf_tensors
+from mt_models.hf_io import load_hf, load_hf_into, save_hf, save_hf_tensors
 from mt_models.layers.attention import AttentionCore, LocalAttention
 from mt_models.protocol import Dispatcher, LayerOutput, MoEDecoderLayer, Routed, RouterStats
 from mt_models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -35,6 +35,7 @@ __all__ = [
     "RouterStats",
     "build_model",
     "load_hf",
+    "load_hf_into",
     "save_hf",
     "save_hf_tensors",
 ]

@@ -417,14 +417,7 @@ class CausalLM(nn.Module):
                         tensor.shape, generator=_generator_for(seed, name), dtype=torch.float32
                     )
                     tensor.copy_(values * std)
-            if isinstance(param, DTensor):  # FSDP2 shards: this rank's piece only
-                shape, offset = compute_local_shape_and_global_offset(
-                    param.shape, param.device_mesh, param.placements
-                )
-                piece = full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
-                param.to_local().copy_(piece)
-            else:
-                param.copy_(full)
+            copy_whole_into(param, full)  # FSDP2 shards: this rank's piece only
 
 
 def _experts_held(fqn: str, stack: Tensor) -> tuple[int, Tensor]:
@@ -442,3 +435,16 @@ def _experts_held(fqn: str, stack: Tensor) -> tuple[int, Tensor]:
             "stacks along dim 0 only (FSDP2's default Shard(0)), so each rank holds whole experts"
         )
     return offset[0], local
+
+
+def copy_whole_into(target: Tensor, whole: Tensor) -> None:
+    """Copies a whole tensor into ``target`` (cast to its dtype); into this rank's piece
+    when ``target`` is an FSDP2 shard (DTensor), so the whole parameter is never gathered."""
+    if isinstance(target, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(
+            target.shape, target.device_mesh, target.placements
+        )
+        piece = whole[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+        target.to_local().copy_(piece)
+    else:
+        target.copy_(whole)

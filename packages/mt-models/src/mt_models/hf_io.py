@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from mt_models.base import CausalLM
+from mt_models.base import CausalLM, copy_whole_into
 from mt_models.hf_config import config_from_hf, config_to_hf, family_of_hf_config
 from mt_models.mxfp4 import dequantize_mxfp4
 from mt_models.registry import MODEL_FAMILIES
@@ -277,16 +277,58 @@ def _check_against_model(
 
 @torch.no_grad()
 def _copy_hub_tensor(family: str, key: str, tensor: Tensor, targets: dict[str, Tensor]) -> None:
-    """Copies one Hub tensor into the model's canonical parameters (``hub_to_canonical``).
+    """Copies one Hub tensor into the canonical parameters among ``targets``.
 
     Args:
         family: The family name.
         key: Hub key of ``tensor``.
         tensor: Its data (GPT-OSS: possibly a stack of experts).
-        targets: Canonical key → parameter, already checked to hold every canonical key.
+        targets: Canonical key → parameter this process holds (an FSDP2 DTensor gets its
+            local piece); canonical keys it does not hold are skipped.
     """
     for canonical_key, source in hub_to_canonical(family, {key: tensor}).items():
-        targets[canonical_key].copy_(source)
+        if canonical_key in targets:
+            copy_whole_into(targets[canonical_key], source)
+
+
+def _canonical_keys_of(family: str, hub_tensor: _HubTensor) -> list[str]:
+    meta = torch.empty(hub_tensor.shape, device="meta")
+    return list(hub_to_canonical(family, {hub_tensor.key: meta}))
+
+
+class _HubCheckpoint:
+    """An open Hub checkpoint directory: family, config and tensor headers, no data read."""
+
+    def __init__(self, path: Path, stack: ExitStack):
+        self.path = path
+        data = json.loads((path / "config.json").read_text())
+        try:
+            self.family = family_of_hf_config(data)
+            self.config = config_from_hf(data)
+        except ValueError as err:
+            raise ValueError(f"{path / 'config.json'}: {err}") from None
+        self.handles = {
+            name: stack.enter_context(safe_open(path / name, framework="pt"))
+            for name in _checkpoint_files(path)
+        }
+        self.headers = _read_headers(path, self.handles)
+        self.hub_tensors = _hub_tensors(self.headers)
+        if self.config.tie_word_embeddings:
+            self.hub_tensors.pop("lm_head.weight", None)  # tied: never read
+
+    def copy_into(self, targets: dict[str, Tensor], dtype: torch.dtype) -> None:
+        """Reads, maps and copies one Hub tensor at a time (read as ``dtype``), skipping
+        those that give no key of ``targets``."""
+        for hub_tensor in self.hub_tensors.values():
+            if not any(k in targets for k in _canonical_keys_of(self.family, hub_tensor)):
+                continue
+            # Read inside the call, so it is freed before the next read.
+            _copy_hub_tensor(
+                self.family,
+                hub_tensor.key,
+                _read_hub_tensor(hub_tensor, self.headers, self.handles, dtype),
+                targets,
+            )
 
 
 def load_hf(
@@ -308,44 +350,85 @@ def load_hf(
         The model, every parameter set from the checkpoint.
     """
     path = Path(path)
-    data = json.loads((path / "config.json").read_text())
-    try:
-        family = family_of_hf_config(data)
-        config = config_from_hf(data)
-    except ValueError as err:
-        raise ValueError(f"{path / 'config.json'}: {err}") from None
     with ExitStack() as stack:
-        handles = {
-            name: stack.enter_context(safe_open(path / name, framework="pt"))
-            for name in _checkpoint_files(path)
-        }
-        headers = _read_headers(path, handles)
+        hub = _HubCheckpoint(path, stack)
         if dtype is None:
-            embed = headers.get("model.embed_tokens.weight")
+            embed = hub.headers.get("model.embed_tokens.weight")
             dtype = torch.float32 if embed is None else _HEADER_DTYPES.get(embed.dtype)
             if dtype is None:
                 raise ValueError(
                     f"model.embed_tokens.weight in {path / embed.file} has dtype {embed.dtype}, "
                     f"not one of {sorted(_HEADER_DTYPES)}; pass load_hf(..., dtype=...)"
                 )
-        hub_tensors = _hub_tensors(headers)
-        if config.tie_word_embeddings:
-            hub_tensors.pop("lm_head.weight", None)  # tied: never read
         with torch.device("meta"):
-            model = MODEL_FAMILIES[family][1](config)
+            model = MODEL_FAMILIES[hub.family][1](hub.config)
         model.to(dtype)  # on meta, so to_empty allocates the model once, in dtype
-        _check_against_model(path, family, hub_tensors, model.canonical_parameters())
+        _check_against_model(path, hub.family, hub.hub_tensors, model.canonical_parameters())
         model.to_empty(device=device)
-        targets = model.canonical_parameters()
-        for hub_tensor in hub_tensors.values():
-            # Read inside the call, so it is freed before the next read.
-            _copy_hub_tensor(
-                family,
-                hub_tensor.key,
-                _read_hub_tensor(hub_tensor, headers, handles, dtype),
-                targets,
-            )
+        hub.copy_into(model.canonical_parameters(), dtype)
     return model
+
+
+def load_hf_into(model: CausalLM, path: str | Path) -> Any:
+    """Copies a Hub checkpoint's weights into an existing model of the same architecture.
+
+    The model may hold part of its parameters: some experts (expert parallelism) or
+    FSDP2 shards, whose local pieces are filled; no process needs the whole model. Keys
+    and shapes are checked first, against a meta-device model of ``model.config``, from
+    the safetensors headers; then Hub tensors are read one at a time (those that give
+    nothing this process holds are not read) and cast to the parameters' dtypes.
+
+    Args:
+        model: The model to fill (its config must describe the checkpoint's architecture).
+        path: Directory with ``config.json`` and safetensors weights.
+
+    Returns:
+        The checkpoint's model config (from its ``config.json``).
+    """
+    path = Path(path)
+    with ExitStack() as stack:
+        hub = _HubCheckpoint(path, stack)
+        family = _family_of(model)
+        if hub.family != family:
+            raise ValueError(
+                f"{path} holds a {hub.family} model but the model is {family}; choose a "
+                "model of the checkpoint's family"
+            )
+        with torch.device("meta"):
+            whole = MODEL_FAMILIES[family][1](model.config)
+        shapes = {}
+        for hub_tensor in hub.hub_tensors.values():
+            meta = torch.empty(hub_tensor.shape, device="meta")
+            for key, tensor in hub_to_canonical(hub.family, {hub_tensor.key: meta}).items():
+                shapes[key] = tuple(tensor.shape)
+        expected = {k: tuple(v.shape) for k, v in whole.canonical_parameters().items()}
+        missing = sorted(set(expected) - set(shapes))
+        if missing:
+            raise ValueError(
+                f"{path} lacks {len(missing)} parameter(s) of the model, e.g. {missing[:3]}; "
+                "the model's config must describe the checkpoint's architecture"
+            )
+        extra = sorted(set(shapes) - set(expected))
+        if extra:
+            raise ValueError(
+                f"{path} holds {len(extra)} parameter(s) the model lacks, e.g. {extra[:3]}; "
+                "the model's config must describe the checkpoint's architecture"
+            )
+        for key, shape in expected.items():
+            if shapes[key] != shape:
+                raise ValueError(
+                    f"{key}: {path} has shape {shapes[key]} but the model has {shape}; the "
+                    "model's config must describe the checkpoint's architecture"
+                )
+        targets = {k: v.detach() for k, v in model.canonical_parameters().items()}
+        dtypes = {t.dtype for t in targets.values()}
+        hub.copy_into(targets, dtypes.pop() if len(dtypes) == 1 else torch.float32)
+    return hub.config
+
+
+def _family_of(model: CausalLM) -> str:
+    """The family name of a model (isinstance: FSDP2 subclasses the module it wraps)."""
+    return next(name for name, (_, cls) in MODEL_FAMILIES.items() if isinstance(model, cls))
 
 
 def save_hf(model: CausalLM, path: str | Path, max_shard_size: int = 5 * 2**30) -> None:
@@ -366,7 +449,7 @@ def save_hf(model: CausalLM, path: str | Path, max_shard_size: int = 5 * 2**30) 
         path: Output directory (created; earlier weights in it are replaced).
         max_shard_size: Largest shard in bytes (a tensor larger than it gets its own).
     """
-    family = next(n for n, (_, cls) in MODEL_FAMILIES.items() if type(model) is cls)
+    family = _family_of(model)
     canonical = {k: v.detach() for k, v in model.canonical_parameters().items()}
     save_hf_tensors(
         family, model.config, canonical, Path(path), max_shard_size, model.output_weight.dtype

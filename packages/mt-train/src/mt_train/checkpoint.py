@@ -31,8 +31,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
@@ -110,18 +108,6 @@ class _Tensors:
         self.tensors["rng/cpu"] = torch.get_rng_state()
         if torch.cuda.is_available():
             self.tensors["rng/cuda"] = torch.cuda.get_rng_state()
-
-
-def _copy_whole_into(target: torch.Tensor, whole: torch.Tensor) -> None:
-    """Copies a whole tensor into `target`; into this rank's piece if `target` is a shard."""
-    if isinstance(target, DTensor):
-        shape, offset = compute_local_shape_and_global_offset(
-            target.shape, target.device_mesh, target.placements
-        )
-        piece = whole[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
-        target.to_local().copy_(piece)
-    else:
-        target.copy_(whole)
 
 
 def _is_main() -> bool:
@@ -300,36 +286,12 @@ def load_checkpoint(
         The checkpoint's JSON train state.
     """
     tensors = _Tensors(model, optimizer).tensors
-    metadata = dcp.FileSystemReader(checkpoint.path).read_metadata()
-    saved = metadata.state_dict_metadata
-    missing = sorted(set(tensors) - set(saved))
-    if missing:
-        raise ValueError(
-            f"checkpoint {checkpoint.path} lacks {len(missing)} tensor(s) the model needs, "
-            f"e.g. {missing[:3]}; was it written for a different model config?"
-        )
-    model_keys = _keys_of_all_ranks({k for k in tensors if k.startswith("model/")})
-    extra = sorted(k for k in set(saved) - model_keys if k.startswith("model/"))
-    if extra:
-        raise ValueError(
-            f"checkpoint {checkpoint.path} holds {len(extra)} model tensor(s) this model "
-            f"lacks, e.g. {extra[:3]}; resume with the checkpoint's model.* values (its "
-            "train_state.json has them) or use a new run_dir"
-        )
-    for key, tensor in tensors.items():
-        shape = getattr(saved[key], "size", None)
-        checked = key.startswith(("model/", "optim/")) and shape is not None
-        if checked and tuple(shape) != tuple(tensor.shape):
-            raise ValueError(
-                f"checkpoint {checkpoint.path}: {key} has shape {tuple(shape)} but the "
-                f"model gives {tuple(tensor.shape)}; resume with the checkpoint's model.* "
-                "values (its train_state.json has them) or use a new run_dir"
-            )
-    if "rng/cuda" in tensors and "rng/cuda" not in metadata.state_dict_metadata:
-        del tensors["rng/cuda"]
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(tensors, checkpoint_id=checkpoint.path)
+    _check_and_load(
+        checkpoint.path,
+        tensors,
+        "resume with the checkpoint's model.* values (its train_state.json has them) or use "
+        "a new run_dir",
+    )
     if "optim/step" in tensors:
         for state in optimizer.state.values():
             if state:
@@ -340,36 +302,53 @@ def load_checkpoint(
     return checkpoint.train_state()
 
 
-def load_model_weights(model: nn.Module, canonical: dict[str, torch.Tensor], source: str) -> None:
-    """Copies whole canonical tensors (Hub keys) into the model, sharded or not.
+def load_model_weights(path: str | Path, model: nn.Module) -> None:
+    """Loads the model tensors of an mt checkpoint into `model` (`init_from`), in place.
+
+    Each rank reads only what it holds (its experts, its FSDP2 shards); values are cast
+    to the parameters' dtypes.
 
     Args:
-        model: the model to fill (its dtype wins; values are cast).
-        canonical: Hub key → whole tensor, for every parameter of the model.
-        source: where the tensors came from, for error messages.
+        path: a checkpoint directory (a run's ``step_N`` or a model-only one).
+        model: the model to fill, sharded or not.
     """
-    targets = {
-        k.removeprefix("model/"): v
-        for k, v in _Tensors(model, None).tensors.items()
-        if k.startswith("model/")
-    }
-    missing = sorted(set(targets) - set(canonical))
+    tensors = {k: v for k, v in _Tensors(model, None).tensors.items() if k.startswith("model/")}
+    _check_and_load(
+        Path(path),
+        tensors,
+        "choose a recipe or model.* overrides that match the source's architecture",
+    )
+
+
+def _check_and_load(path: Path, tensors: dict[str, torch.Tensor], fix: str) -> None:
+    """Checks this rank's canonical `tensors` against the checkpoint's keys and shapes
+    (a model tensor the checkpoint holds that no rank names is an error too), then loads
+    them in place; `fix` ends the error messages."""
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    saved = metadata.state_dict_metadata
+    if "rng/cuda" in tensors and "rng/cuda" not in saved:
+        del tensors["rng/cuda"]
+    missing = sorted(set(tensors) - set(saved))
     if missing:
         raise ValueError(
-            f"{source} lacks {len(missing)} parameter(s) of the model, e.g. {missing[:3]}; "
-            "choose a recipe or model.* overrides that match the source's architecture"
+            f"checkpoint {path} lacks {len(missing)} tensor(s) the model needs, e.g. "
+            f"{missing[:3]}; {fix}"
         )
-    extra = sorted(set(canonical) - _keys_of_all_ranks(set(targets)))
+    model_keys = _keys_of_all_ranks({k for k in tensors if k.startswith("model/")})
+    extra = sorted(k for k in set(saved) - model_keys if k.startswith("model/"))
     if extra:
         raise ValueError(
-            f"{source} holds {len(extra)} parameter(s) the model lacks, e.g. {extra[:3]}; "
-            "choose a recipe or model.* overrides that match the source's architecture"
+            f"checkpoint {path} holds {len(extra)} model tensor(s) this model lacks, e.g. "
+            f"{extra[:3]}; {fix}"
         )
-    with torch.no_grad():
-        for key, target in targets.items():
-            if tuple(canonical[key].shape) != tuple(target.shape):
-                raise ValueError(
-                    f"{key}: {source} has shape {tuple(canonical[key].shape)} but the model "
-                    f"has {tuple(target.shape)}; choose model.* overrides that match the source"
-                )
-            _copy_whole_into(target, canonical[key])
+    for key, tensor in tensors.items():
+        shape = getattr(saved[key], "size", None)
+        checked = key.startswith(("model/", "optim/")) and shape is not None
+        if checked and tuple(shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"checkpoint {path}: {key} has shape {tuple(shape)} but the model gives "
+                f"{tuple(tensor.shape)}; {fix}"
+            )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(tensors, checkpoint_id=path)

@@ -30,9 +30,10 @@ import torch.distributed.checkpoint as dcp
 
 from mt_data import default_tokenizer_path
 from mt_data.tokenizer import load_tokenizer
-from mt_models import MODEL_FAMILIES, GptOssConfig, load_hf, save_hf_tensors
+from mt_models import MODEL_FAMILIES, GptOssConfig, load_hf, load_hf_into, save_hf_tensors
 from mt_models.configs import TRAINING_ONLY_FIELDS
-from mt_train.checkpoint import FORMAT_VERSION
+from mt_models.hf_config import config_from_hf
+from mt_train.checkpoint import FORMAT_VERSION, load_model_weights
 
 # Files next to the weights that travel with a conversion when present.
 TOKENIZER_FILES = (
@@ -169,14 +170,7 @@ def read_mt_checkpoint(path: str | Path) -> tuple[Any, dict[str, torch.Tensor]]:
         (model config, Hub key → whole tensor in its stored dtype).
     """
     path = Path(path)
-    if not (path / ".metadata").is_file() or not (path / _STATE_FILE).is_file():
-        raise ValueError(
-            f"{path} is not a complete mt checkpoint (.metadata and {_STATE_FILE}); give a "
-            "step_N directory of a run or the output of `mt-train convert hf-to-mt`"
-        )
-    saved = json.loads((path / _STATE_FILE).read_text())["config"]
-    config_cls = MODEL_FAMILIES[saved["model_family"]][0]
-    model_config = config_cls(**saved["model"])
+    model_config = _mt_checkpoint_config(path)
     metadata = dcp.FileSystemReader(path).read_metadata()
     tensors = {}
     for key, meta in metadata.state_dict_metadata.items():
@@ -186,6 +180,17 @@ def read_mt_checkpoint(path: str | Path) -> tuple[Any, dict[str, torch.Tensor]]:
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(tensors, checkpoint_id=path)
     return model_config, {k.removeprefix("model/"): v for k, v in tensors.items()}
+
+
+def _mt_checkpoint_config(path: Path) -> Any:
+    """The model config of a complete mt checkpoint (from its ``train_state.json``)."""
+    if not (path / ".metadata").is_file() or not (path / _STATE_FILE).is_file():
+        raise ValueError(
+            f"{path} is not a complete mt checkpoint (.metadata and {_STATE_FILE}); give a "
+            "step_N directory of a run or the output of `mt-train convert hf-to-mt`"
+        )
+    saved = json.loads((path / _STATE_FILE).read_text())["config"]
+    return MODEL_FAMILIES[saved["model_family"]][0](**saved["model"])
 
 
 def mt_to_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: int = 5 * 10**9) -> Path:
@@ -308,25 +313,49 @@ def _check_checkpoint_keys(
             )
 
 
-def read_init_weights(path: str | Path) -> tuple[Any, dict[str, torch.Tensor]]:
-    """Reads `init_from` weights: a Hugging Face directory or an mt checkpoint.
-
-    Args:
-        path: the source directory.
-
-    Returns:
-        (the source's model config, Hub key → whole CPU tensor).
-    """
-    path = Path(path)
+def _init_source_kind(path: Path) -> str:
     if is_hf_dir(path):
-        model = load_hf(path)
-        return model.config, {k: v.detach() for k, v in model.canonical_parameters().items()}
+        return "hf"
     if (path / ".metadata").is_file():
-        return read_mt_checkpoint(path)
+        return "mt"
     raise ValueError(
         f"init_from ({str(path)!r}) is neither a Hugging Face directory (config.json + "
         "*.safetensors) nor an mt checkpoint (.metadata + train_state.json)"
     )
+
+
+def read_init_config(path: str | Path) -> Any:
+    """The model config of an `init_from` source (a Hugging Face directory or an mt
+    checkpoint), without reading its weights."""
+    path = Path(path)
+    if _init_source_kind(path) == "hf":
+        try:
+            return config_from_hf(json.loads((path / "config.json").read_text()))
+        except ValueError as err:
+            raise ValueError(f"{path / 'config.json'}: {err}") from None
+    return _mt_checkpoint_config(path)
+
+
+def init_from_weights(model: torch.nn.Module, path: str | Path) -> Any:
+    """Copies `init_from` weights into the model, sharded or not, streaming.
+
+    Each rank reads only the tensors it holds (its experts, its FSDP2 shards), one Hub
+    tensor at a time from a Hugging Face directory, through DCP from an mt checkpoint;
+    values are cast to the parameters' dtypes. No rank holds the whole model.
+
+    Args:
+        model: the run's model (after parallelization).
+        path: a Hugging Face directory or an mt checkpoint.
+
+    Returns:
+        The source's model config.
+    """
+    path = Path(path)
+    if _init_source_kind(path) == "hf":
+        return load_hf_into(model, path)
+    config = _mt_checkpoint_config(path)
+    load_model_weights(path, model)
+    return config
 
 
 # Model config fields that shape training, not the function the weights compute.
@@ -341,7 +370,7 @@ def init_config_differences(source: Any, model_config: Any) -> dict[str, tuple[A
     computes another function than the source's model.
 
     Args:
-        source: the `init_from` source's model config (from `read_init_weights`).
+        source: the `init_from` source's model config (from `read_init_config`).
         model_config: the run's model config.
 
     Returns:

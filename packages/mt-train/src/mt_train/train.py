@@ -40,11 +40,10 @@ from mt_train.checkpoint import (
     checkpoint_root,
     latest_checkpoint,
     load_checkpoint,
-    load_model_weights,
     save_checkpoint,
 )
 from mt_train.config import JobConfig
-from mt_train.convert import init_config_differences, read_init_weights
+from mt_train.convert import init_config_differences, init_from_weights
 from mt_train.distributed import Env, all_reduce, barrier, init_distributed
 from mt_train.faults import NonFiniteError, agree_to_stop, stop_on_signals, write_exit_file
 from mt_train.metrics import MetricsLogger, build_sinks, peak_flops
@@ -209,9 +208,7 @@ def setup(cfg: JobConfig) -> TrainState:
     if checkpoint is not None:
         _resume(state, checkpoint)
     elif cfg.init_from:
-        source_config, weights = read_init_weights(cfg.init_from)
-        load_model_weights(model, weights, cfg.init_from)
-        del weights
+        source_config = init_from_weights(model, cfg.init_from)
         log.info("initialized the model from %s (fresh optimizer)", cfg.init_from)
         differences = init_config_differences(source_config, cfg.model)
         if differences and env.is_main:
