@@ -113,3 +113,12 @@ def test_python_dash_m_runs_the_same_cli():
     )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["seed"] == 5
+
+
+def test_a_config_file_that_is_a_directory_or_binary_names_the_file(tmp_path, capsys):
+    binary = tmp_path / "weights.toml"
+    binary.write_bytes(b"\xff\xfe\x00junk")
+    for path in (tmp_path, binary):
+        assert main(["pretrain", "debug", "--config", str(path), "--print-config"]) == 2
+        err = capsys.readouterr().err
+        assert f"config file {path} cannot be read" in err and "Traceback" not in err
