@@ -49,7 +49,11 @@ def test_bad_values_fail_validation_with_the_rule():
                       ("training.beta2=1.5", "must be in .0, 1."),
                       ("training.num_threads=-3", "training.num_threads .-3. .* must be >= 0"),
                       ("parallel.grad_reduce=never", "parallel.grad_reduce"),
-                      ("parallel.pp=2", "needs a pipeline schedule")):  # fmt: skip
+                      ("parallel.pp=2", "needs a pipeline schedule"),
+                      ("training.grad_clip=nan", r"training.grad_clip \(nan\) must be >= 0"),
+                      ("parallel.timeout_s=nan", r"parallel.timeout_s \(nan\) must be finite"),
+                      ("parallel.timeout_s=inf", r"parallel.timeout_s \(inf\) must be finite"),
+                      ("seed=-1", r"^seed \(-1\) must be >= 0")):  # fmt: skip
         with pytest.raises(ValueError, match=rule):
             resolve_config(get_recipe("debug"), overrides=[bad])
 
