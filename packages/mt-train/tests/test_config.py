@@ -126,3 +126,12 @@ def test_a_config_file_that_is_a_directory_or_binary_names_the_file(tmp_path, ca
         assert main(["pretrain", "debug", "--config", str(path), "--print-config"]) == 2
         err = capsys.readouterr().err
         assert f"config file {path} cannot be read" in err and "Traceback" not in err
+
+
+def test_a_run_dir_that_is_a_file_is_a_one_line_error(tmp_path, capsys):
+    taken = tmp_path / "notes.txt"
+    taken.write_text("not a run directory\n")
+    for run_dir, rule in ((taken, "is a file"), (taken / "run", "cannot be created")):
+        assert main(["pretrain", "tiny", f"run_dir={run_dir}", "training.max_steps=1"]) == 2
+        err = capsys.readouterr().err
+        assert f"run_dir ({str(run_dir)!r}) {rule}" in err and "Traceback" not in err

@@ -116,6 +116,9 @@ def setup(cfg: JobConfig) -> TrainState:
     Returns:
         The loop state, at step 0 or at the newest complete checkpoint's step.
     """
+    run_dir = Path(cfg.run_dir)
+    if run_dir.exists() and not run_dir.is_dir():  # checked before the slow setup below
+        raise ValueError(f"run_dir ({cfg.run_dir!r}) is a file; choose a directory path")
     if cfg.training.num_threads:
         torch.set_num_threads(cfg.training.num_threads)
     device_type, autocast_dtype = _resolve_device(cfg)
@@ -192,9 +195,13 @@ def setup(cfg: JobConfig) -> TrainState:
         ),
         fp8_cache=fp8_cache,
     )
-    run_dir = Path(cfg.run_dir)
     if env.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a parent is a file, no permission, ...
+            raise ValueError(
+                f"run_dir ({cfg.run_dir!r}) cannot be created ({e}); choose another run_dir"
+            ) from None
     barrier()
     latest = latest_checkpoint(checkpoint_root(run_dir))
     if latest is not None and not cfg.checkpoint.resume:
