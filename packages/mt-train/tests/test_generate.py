@@ -1,8 +1,10 @@
 """mt-train generate: prompt encoding (the sampling loop runs in tests/test_pretrain.py)."""
 
+import pytest
+
 from mt_data import default_tokenizer_path
 from mt_data.tokenizer import load_tokenizer
-from mt_train.generate import encode_prompt
+from mt_train.generate import encode_prompt, generate
 
 
 def test_special_tokens_in_a_prompt_are_their_ids_and_the_tokenizer_is_left_as_it_was():
@@ -16,3 +18,9 @@ def test_special_tokens_in_a_prompt_are_their_ids_and_the_tokenizer_is_left_as_i
     assert ids.count(loaded.eos_id) == 1
     assert loaded.tokenizer.decode(ids, skip_special_tokens=False) == prompt
     assert loaded.tokenizer.encode_special_tokens  # restored for training use
+
+
+def test_an_unknown_device_is_a_value_error_naming_it():
+    for device in ("tpu", "mps"):
+        with pytest.raises(ValueError, match=rf"--device \('{device}'\) must be cpu, cuda"):
+            generate("no-checkpoint-needed", "x", device=device)
