@@ -4,6 +4,7 @@ import pytest
 
 from mt_data import default_tokenizer_path
 from mt_data.tokenizer import load_tokenizer
+from mt_train.cli import main
 from mt_train.generate import encode_prompt, generate
 
 
@@ -24,3 +25,13 @@ def test_an_unknown_device_is_a_value_error_naming_it():
     for device in ("tpu", "mps"):
         with pytest.raises(ValueError, match=rf"--device \('{device}'\) must be cpu, cuda"):
             generate("no-checkpoint-needed", "x", device=device)
+
+
+def test_ctrl_c_during_generate_prints_one_line_and_exits_130(monkeypatch, capsys):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("mt_train.generate.generate", interrupted)
+    assert main(["generate", "--checkpoint", "ckpt", "--prompt", "x"]) == 130
+    err = capsys.readouterr().err
+    assert err == "mt-train: interrupted\n"
