@@ -235,11 +235,18 @@ def setup(cfg: JobConfig) -> TrainState:
 
 
 def _resume(state: TrainState, checkpoint) -> None:
+    # The data loader first: a changed data.* fails before minutes of loading tensors.
+    try:
+        state.dataset.load_state_dict(checkpoint.train_state()["data"])
+    except ValueError as e:
+        raise ValueError(
+            f"cannot resume from {checkpoint.path}: {e}. The run's data.* values are in "
+            "its train_state.json (config.data); use them, or a new run_dir"
+        ) from None
     saved = load_checkpoint(checkpoint, state.model, state.optimizer)
     if state.fp8_cache is not None:
         state.fp8_cache.invalidate()  # the weights were overwritten in place
     state.step = saved["step"]
-    state.dataset.load_state_dict(saved["data"])
     state.skipped_steps = saved.get("skipped_steps", 0)
     log.info("resumed from %s (step %d)", checkpoint.path, state.step)
     # Compare as JSON sees them (tuples and lists are one kind there).
