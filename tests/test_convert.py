@@ -93,11 +93,21 @@ def test_mt_to_hf_refuses_a_non_empty_out_and_leaves_it_untouched(tmp_path, mt_c
     out = tmp_path / "back"
     out.mkdir()
     (out / "notes.txt").write_text("keep me")
-    with pytest.raises(ValueError, match=r"--out .*back exists and is not empty"):
+    with pytest.raises(ValueError, match=r"--out .*back exists and is not an empty directory"):
         mt_to_hf(mt_checkpoint, out)
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
     assert (out / "notes.txt").read_text() == "keep me"
     assert _siblings(out) == ["back"], "no .tmp-back left behind"
+
+
+def test_convert_to_an_out_that_is_a_file_is_refused_naming_it(tmp_path, mt_checkpoint):
+    out = tmp_path / "notes.txt"
+    out.write_text("keep me")
+    with pytest.raises(ValueError, match=r"--out .*notes.txt exists and is not an empty dir"):
+        mt_to_hf(mt_checkpoint, out)
+    with pytest.raises(ValueError, match=r"--out .*notes.txt exists and is not an empty dir"):
+        convert.hf_to_mt(mt_to_hf(mt_checkpoint, tmp_path / "hf"), out)
+    assert out.read_text() == "keep me"
 
 
 def test_mt_to_hf_fills_an_empty_out_and_leaves_no_temporary_directory(tmp_path, mt_checkpoint):

@@ -303,6 +303,18 @@ def test_resuming_or_initializing_a_different_model_names_the_mismatch(tmp_path)
         pretrain(_cfg(source, "training.max_steps=2", "model.moe_intermediate_size=16"))
 
 
+def test_resuming_with_another_seq_len_names_the_checkpoint_and_fails_before_loading_it(
+    tmp_path, monkeypatch
+):
+    pretrain(_cfg(tmp_path, "training.max_steps=1"))
+    loads = []
+    monkeypatch.setattr(train_module, "load_checkpoint", lambda *a: loads.append(a))
+    with pytest.raises(ValueError, match=r"cannot resume from .*step_00000001: .*seq_len 64, "
+                       r"this dataset 32.* data\.\* values are in its train_state.json"):
+        pretrain(_cfg(tmp_path, "training.max_steps=2", "data.seq_len=32"))
+    assert loads == [], "the tensors were not read"
+
+
 def test_data_that_runs_out_mid_batch_leaves_that_batch_unread(tmp_path):
     import json
 

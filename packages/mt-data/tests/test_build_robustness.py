@@ -291,6 +291,21 @@ def test_cli_inspect_prints_shards_counts_dtype_and_decoded_text(tmp_path, capsy
     assert main(["inspect", str(tmp_path / "nothing")]) == 2
 
 
+def test_cli_inspect_refuses_a_missing_tokenizer_and_negative_counts(tmp_path, capsys):
+    path = _write_jsonl(tmp_path / "i.jsonl", ["x = 1\n"])
+    build_corpus([path], default_tokenizer_path(), tmp_path / "out", workers=0, progress=False)
+    capsys.readouterr()
+    missing = tmp_path / "missing.json"
+    for extra, message in (
+        (["--tokenizer", str(missing)], f"tokenizer {missing}: no such file"),
+        (["--documents", "-1"], "--documents (-1) must be >= 0"),
+        (["--characters", "-5"], "--characters (-5) must be >= 0"),
+    ):
+        assert main(["inspect", str(tmp_path / "out"), *extra]) == 2
+        captured = capsys.readouterr()
+        assert message in captured.err and captured.out == ""
+
+
 def test_written_shards_are_memory_bounded_by_the_batch_not_the_file(tmp_path):
     # The writer keeps no per-document list in memory: lengths go straight to the index.
     from mt_data.indexed import IndexedDatasetWriter

@@ -439,3 +439,12 @@ def test_save_hf_over_an_earlier_save_leaves_only_the_new_weights(
     assert torch.equal(load_hf(tmp_path).canonical_parameters()[key], expected)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
     assert torch.equal(reloaded.state_dict()[key], expected)
+
+
+def test_save_hf_shards_get_the_mode_of_config_json_not_0600(build_debug_model, tmp_path):
+    save_hf(build_debug_model(), tmp_path, max_shard_size=2**22)
+    config_mode = (tmp_path / "config.json").stat().st_mode & 0o777
+    shards = sorted(tmp_path.glob("*.safetensors"))
+    assert len(shards) > 1
+    for shard in shards:
+        assert shard.stat().st_mode & 0o777 == config_mode, shard.name

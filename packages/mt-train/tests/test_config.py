@@ -49,7 +49,11 @@ def test_bad_values_fail_validation_with_the_rule():
                       ("training.beta2=1.5", "must be in .0, 1."),
                       ("training.num_threads=-3", "training.num_threads .-3. .* must be >= 0"),
                       ("parallel.grad_reduce=never", "parallel.grad_reduce"),
-                      ("parallel.pp=2", "needs a pipeline schedule")):  # fmt: skip
+                      ("parallel.pp=2", "needs a pipeline schedule"),
+                      ("training.grad_clip=nan", r"training.grad_clip \(nan\) must be >= 0"),
+                      ("parallel.timeout_s=nan", r"parallel.timeout_s \(nan\) must be finite"),
+                      ("parallel.timeout_s=inf", r"parallel.timeout_s \(inf\) must be finite"),
+                      ("seed=-1", r"^seed \(-1\) must be >= 0")):  # fmt: skip
         with pytest.raises(ValueError, match=rule):
             resolve_config(get_recipe("debug"), overrides=[bad])
 
@@ -113,3 +117,21 @@ def test_python_dash_m_runs_the_same_cli():
     )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["seed"] == 5
+
+
+def test_a_config_file_that_is_a_directory_or_binary_names_the_file(tmp_path, capsys):
+    binary = tmp_path / "weights.toml"
+    binary.write_bytes(b"\xff\xfe\x00junk")
+    for path in (tmp_path, binary):
+        assert main(["pretrain", "debug", "--config", str(path), "--print-config"]) == 2
+        err = capsys.readouterr().err
+        assert f"config file {path} cannot be read" in err and "Traceback" not in err
+
+
+def test_a_run_dir_that_is_a_file_is_a_one_line_error(tmp_path, capsys):
+    taken = tmp_path / "notes.txt"
+    taken.write_text("not a run directory\n")
+    for run_dir, rule in ((taken, "is a file"), (taken / "run", "cannot be created")):
+        assert main(["pretrain", "tiny", f"run_dir={run_dir}", "training.max_steps=1"]) == 2
+        err = capsys.readouterr().err
+        assert f"run_dir ({str(run_dir)!r}) {rule}" in err and "Traceback" not in err

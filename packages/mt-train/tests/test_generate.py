@@ -1,8 +1,11 @@
 """mt-train generate: prompt encoding (the sampling loop runs in tests/test_pretrain.py)."""
 
+import pytest
+
 from mt_data import default_tokenizer_path
 from mt_data.tokenizer import load_tokenizer
-from mt_train.generate import encode_prompt
+from mt_train.cli import main
+from mt_train.generate import encode_prompt, generate
 
 
 def test_special_tokens_in_a_prompt_are_their_ids_and_the_tokenizer_is_left_as_it_was():
@@ -16,3 +19,19 @@ def test_special_tokens_in_a_prompt_are_their_ids_and_the_tokenizer_is_left_as_i
     assert ids.count(loaded.eos_id) == 1
     assert loaded.tokenizer.decode(ids, skip_special_tokens=False) == prompt
     assert loaded.tokenizer.encode_special_tokens  # restored for training use
+
+
+def test_an_unknown_device_is_a_value_error_naming_it():
+    for device in ("tpu", "mps"):
+        with pytest.raises(ValueError, match=rf"--device \('{device}'\) must be cpu, cuda"):
+            generate("no-checkpoint-needed", "x", device=device)
+
+
+def test_ctrl_c_during_generate_prints_one_line_and_exits_130(monkeypatch, capsys):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("mt_train.generate.generate", interrupted)
+    assert main(["generate", "--checkpoint", "ckpt", "--prompt", "x"]) == 130
+    err = capsys.readouterr().err
+    assert err == "mt-train: interrupted\n"

@@ -33,8 +33,12 @@ def inspect_corpus(
         The report, several lines.
 
     Raises:
-        ValueError: If `path` holds no shards or a shard is unreadable.
+        ValueError: If `path` holds no shards or a shard is unreadable, `tokenizer` is
+            given but unreadable, or `documents` or `characters` is negative.
     """
+    for name, value in (("documents", documents), ("characters", characters)):
+        if value < 0:
+            raise ValueError(f"--{name} ({value}) must be >= 0")
     prefixes = resolve_shards([path])
     shards = [IndexedDataset(p) for p in prefixes]
     lines = [f"{'shard':<32} {'documents':>12} {'tokens':>15}  dtype"]
@@ -54,9 +58,14 @@ def inspect_corpus(
             f"(id {manifest.get('eos_id')}), bad lines {manifest.get('num_bad_lines')}, "
             f"empty documents {manifest.get('num_empty_documents')}"
         )
+    # A tokenizer given is loaded (its errors name it); the manifest's may not be on this
+    # machine.
     source = tokenizer or manifest.get("tokenizer")
-    if source is None or not Path(source).exists():
+    if source is None:
         lines.append("(no tokenizer to decode with: pass --tokenizer)")
+        return "\n".join(lines)
+    if tokenizer is None and not Path(source).exists():
+        lines.append(f"(the manifest's tokenizer {source} is not here: pass --tokenizer)")
         return "\n".join(lines)
     loaded = load_tokenizer(source)
     shown = 0

@@ -10,6 +10,7 @@ MXFP4 ``_blocks``/``_scales`` (dequantized on import, ``mxfp4.py``).
 """
 
 import json
+import os
 import re
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -512,6 +513,9 @@ def save_hf_tensors(
         hub = canonical_to_hub(family, {c: canonical[c] for k in keys for c in sources[k]})
         tensors = {k: _standalone(hub[k]) for k in keys}
         save_file(tensors, str(path / name), metadata={"format": "pt"})
+        # safetensors 0.8 writes through a 0600 temporary file (safetensors issue #782):
+        # give the shard config.json's mode, so whoever may read the config may read it.
+        os.chmod(path / name, (path / "config.json").stat().st_mode & 0o777)
         del hub, tensors  # this shard's stacks and copies, before the next shard's
         weight_map.update(dict.fromkeys(keys, name))
     if len(shards) > 1:

@@ -164,7 +164,20 @@ def _configure_logging() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs the command line; returns the exit code."""
+    """Runs the command line; returns the exit code.
+
+    A Ctrl-C that the training loop does not turn into a save and a clean stop (one
+    during setup, a second one, or one in convert or generate) prints one line and
+    returns 130, as a shell reports a process ended by SIGINT.
+    """
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("mt-train: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     # Overrides may come before or after the options: collect the ones argparse left.
     args, rest = parser.parse_known_args(argv)

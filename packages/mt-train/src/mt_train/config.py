@@ -119,7 +119,7 @@ class TrainingConfig:
                 f"training.num_threads ({self.num_threads}) and training.weight_decay "
                 f"({self.weight_decay}) must be >= 0 (num_threads 0: PyTorch's default)"
             )
-        if self.warmup_steps < 0 or self.grad_clip < 0:
+        if self.warmup_steps < 0 or not 0 <= self.grad_clip <= math.inf:  # NaN fails too
             raise ValueError(
                 f"training.warmup_steps ({self.warmup_steps}) and training.grad_clip "
                 f"({self.grad_clip}) must be >= 0"
@@ -292,8 +292,8 @@ class ParallelConfig:
             raise ValueError(f"parallel.dp ({self.dp}) must be >= 1, or -1 to fill the world")
         if self.ep_comm not in ("async", "sync"):
             raise ValueError(f"parallel.ep_comm ({self.ep_comm!r}) must be 'async' or 'sync'")
-        if self.timeout_s <= 0:
-            raise ValueError(f"parallel.timeout_s ({self.timeout_s}) must be > 0")
+        if not 0 < self.timeout_s < math.inf:  # NaN fails too
+            raise ValueError(f"parallel.timeout_s ({self.timeout_s}) must be finite and > 0")
         if self.grad_reduce not in GRAD_REDUCE:
             raise ValueError(
                 f"parallel.grad_reduce ({self.grad_reduce!r}) must be one of {GRAD_REDUCE}"
@@ -339,6 +339,8 @@ class JobConfig:
             )
         if self.log_every < 1:
             raise ValueError(f"log_every ({self.log_every}) must be >= 1")
+        if self.seed < 0:  # numpy's shuffle takes no negative seed
+            raise ValueError(f"seed ({self.seed}) must be >= 0")
 
     def to_dict(self) -> dict[str, Any]:
         """Returns the config as nested plain data, with the model family named."""

@@ -115,6 +115,14 @@ def training_tokenizer(checkpoint: str | Path) -> Path | None:
     return None
 
 
+def _check_out(out_dir: Path) -> None:
+    """Raises unless `out_dir` is missing or an empty directory."""
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ValueError(
+            f"--out {out_dir} exists and is not an empty directory; choose a new directory"
+        )
+
+
 def hf_to_mt(hf_dir: str | Path, out_dir: str | Path) -> Path:
     """Writes a model-only mt checkpoint from a Hugging Face directory.
 
@@ -131,8 +139,7 @@ def hf_to_mt(hf_dir: str | Path, out_dir: str | Path) -> Path:
         raise ValueError(
             f"--hf {hf_dir} is not a Hugging Face directory (config.json + *.safetensors)"
         )
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise ValueError(f"--out {out_dir} exists and is not empty; choose a new directory")
+    _check_out(out_dir)
     model = load_hf(hf_dir)
     family = next(n for n, (_, cls) in MODEL_FAMILIES.items() if type(model) is cls)
     tensors = {f"model/{k}": v.detach() for k, v in model.canonical_parameters().items()}
@@ -215,8 +222,7 @@ def mt_to_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: int = 
         The output directory.
     """
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise ValueError(f"--out {out_dir} exists and is not empty; choose a new directory")
+    _check_out(out_dir)
     model_config, canonical = read_mt_checkpoint(checkpoint)
     family = next(n for n, (cls, _) in MODEL_FAMILIES.items() if isinstance(model_config, cls))
     with torch.device("meta"):

@@ -99,7 +99,13 @@ def generate(
             f"--max-new-tokens ({max_new_tokens}) must be >= 0, --top-p ({top_p}) in (0, 1] "
             f"and --temperature ({temperature}) >= 0"
         )
-    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+    try:
+        device_type = torch.device(device).type
+    except RuntimeError:  # "tpu", "gpu", ...
+        device_type = None
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"--device ({device!r}) must be cpu, cuda or cuda:N")
+    if device_type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {device}: no CUDA device is available here; use --device cpu")
     checkpoint = Path(checkpoint)
     model_config, canonical = read_mt_checkpoint(checkpoint)

@@ -129,6 +129,10 @@ def resolve_config(
             table = tomllib.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise ValueError(f"config file {path} does not exist") from None
+        except (OSError, UnicodeDecodeError) as err:  # a directory, unreadable, not text
+            raise ValueError(
+                f"config file {path} cannot be read as UTF-8 text ({err}); pass a TOML file"
+            ) from None
         except tomllib.TOMLDecodeError as err:
             raise ValueError(f"config file {path} is not valid TOML: {err}") from None
         _merge_toml(data, table, known, str(path))

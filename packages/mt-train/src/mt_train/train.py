@@ -115,6 +115,9 @@ def setup(cfg: JobConfig) -> TrainState:
     Returns:
         The loop state, at step 0 or at the newest complete checkpoint's step.
     """
+    run_dir = Path(cfg.run_dir)
+    if run_dir.exists() and not run_dir.is_dir():  # checked before the slow setup below
+        raise ValueError(f"run_dir ({cfg.run_dir!r}) is a file; choose a directory path")
     if cfg.training.num_threads:
         torch.set_num_threads(cfg.training.num_threads)
     device_type, autocast_dtype = _resolve_device(cfg)
@@ -191,9 +194,13 @@ def setup(cfg: JobConfig) -> TrainState:
         ),
         fp8_cache=fp8_cache,
     )
-    run_dir = Path(cfg.run_dir)
     if env.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a parent is a file, no permission, ...
+            raise ValueError(
+                f"run_dir ({cfg.run_dir!r}) cannot be created ({e}); choose another run_dir"
+            ) from None
     barrier()
     latest = latest_checkpoint(checkpoint_root(run_dir))
     if latest is not None and not cfg.checkpoint.resume:
@@ -225,11 +232,18 @@ def setup(cfg: JobConfig) -> TrainState:
 
 
 def _resume(state: TrainState, checkpoint) -> None:
+    # The data loader first: a changed data.* fails before minutes of loading tensors.
+    try:
+        state.dataset.load_state_dict(checkpoint.train_state()["data"])
+    except ValueError as e:
+        raise ValueError(
+            f"cannot resume from {checkpoint.path}: {e}. The run's data.* values are in "
+            "its train_state.json (config.data); use them, or a new run_dir"
+        ) from None
     saved = load_checkpoint(checkpoint, state.model, state.optimizer)
     if state.fp8_cache is not None:
         state.fp8_cache.invalidate()  # the weights were overwritten in place
     state.step = saved["step"]
-    state.dataset.load_state_dict(saved["data"])
     state.skipped_steps = saved.get("skipped_steps", 0)
     log.info("resumed from %s (step %d)", checkpoint.path, state.step)
     # Compare as JSON sees them (tuples and lists are one kind there).
