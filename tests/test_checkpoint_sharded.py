@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from mt_models import build_model, qwen3_moe, save_hf
@@ -56,14 +57,18 @@ def _no_gathers():
         DTensor.full_tensor, DTensor.redistribute = saved
 
 
+def _device() -> str:
+    return f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+
+
 def _model_and_optimizer(layout: dict[str, int] | None):
     with torch.device("meta"):
         model = build_model(_config())
     if layout is None:
-        model.to_empty(device="cpu")
+        model.to_empty(device=_device())
         model.init_weights(1)
     else:
-        parallelize(model, ParallelDims(world_size=2, **layout), "cpu", seed=1)
+        parallelize(model, ParallelDims(world_size=2, **layout), _device(), seed=1)
     optimizer = torch.optim.AdamW(model.parameters())
     init_optimizer_state(optimizer)
     return model, optimizer
@@ -86,11 +91,11 @@ def _whole_canonical(model, optimizer) -> dict[str, torch.Tensor]:
 
 def _round_trip(root: str) -> None:
     model, optimizer = _model_and_optimizer({"dp": 2})
-    gen = torch.Generator().manual_seed(5 + torch.distributed.get_rank())
+    gen = torch.Generator().manual_seed(5 + dist.get_rank())
     for state in optimizer.state.values():  # distinct moments on every shard
         for moment in ("exp_avg", "exp_avg_sq"):
             local = state[moment].to_local()
-            local.copy_(torch.rand(local.shape, generator=gen))
+            local.copy_(torch.rand(local.shape, generator=gen).to(local.device))
         state["step"].fill_(7)
     with _no_gathers():
         save_checkpoint(root, 7, model, optimizer, _TRAIN_STATE)
@@ -114,7 +119,7 @@ def _round_trip(root: str) -> None:
 
     # init_from (model tensors only) of the mt checkpoint and of its Hugging Face export,
     # into a sharded model: each rank reads its own pieces, nothing is gathered.
-    hf_dir = Path(root).parent / f"hf_{torch.distributed.get_rank()}"  # one per rank
+    hf_dir = Path(root).parent / f"hf_{dist.get_rank()}"  # one per rank
     save_hf(whole_model, hf_dir)
     for source in (latest_checkpoint(root).path, hf_dir):
         for layout in ({"dp": 2}, {"ep": 2}):
@@ -128,7 +133,22 @@ def _round_trip(root: str) -> None:
                     assert torch.equal(value, expected[key]), f"{source} {layout}: {key} differs"
 
 
-def test_sharded_checkpoints_gather_nothing_and_load_under_another_layout(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "gloo",
+        pytest.param(
+            "nccl",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
+            ],
+        ),
+    ],
+)
+def test_sharded_checkpoints_gather_nothing_and_load_under_another_layout(
+    tmp_path, monkeypatch, backend
+):
     # Spawned ranks take this process's sys.path and import tests.test_checkpoint_sharded.
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
-    spawn(_round_trip, 2, str(tmp_path / "checkpoints"))
+    spawn(_round_trip, 2, str(tmp_path / "checkpoints"), backend=backend)
