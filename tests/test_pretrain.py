@@ -173,3 +173,22 @@ def test_weights_and_biases_gets_every_step_in_an_offline_run(tmp_path, monkeypa
         assert data["loss"] == row["loss"] and data["grad_norm"] == row["grad_norm"]
     (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     assert run_file.stat().st_size > 0
+
+
+def test_the_first_run_says_it_builds_the_default_corpus_and_where(tmp_path, monkeypatch, caplog):
+    import mt_data.default_corpus
+    from mt_train.train import setup
+
+    documents = ["def f(x):\n    return x + 1\n" * 50] * 20  # enough for 64-token samples
+    monkeypatch.setattr(mt_data.default_corpus, "iter_default_documents", lambda: iter(documents))
+    monkeypatch.setenv("MT_CACHE_DIR", str(tmp_path / "cache"))
+    with caplog.at_level(logging.INFO, logger="mt_train"):
+        setup(_cfg(tmp_path / "run"))
+    corpus = default_corpus_dir()
+    assert corpus.parent == tmp_path / "cache" / "corpus"
+    assert f"building the default corpus (this Python's standard library sources) into {corpus}" \
+        in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="mt_train"):
+        setup(_cfg(tmp_path / "run"))  # cached: nothing to say
+    assert "building the default corpus" not in caplog.text

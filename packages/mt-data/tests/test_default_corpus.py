@@ -156,3 +156,17 @@ def test_build_default_replaces_an_earlier_default_corpus_even_an_interrupted_on
     assert default_corpus.build_default_corpus(out) == out
     assert len(IndexedDataset(out / "stdlib")) == 2
     assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "stdlib.bin", "stdlib.idx"]
+
+
+def test_on_build_is_told_the_directory_before_a_build_and_not_when_cached(tmp_path, monkeypatch):
+    monkeypatch.setattr(default_corpus, "iter_default_documents", _small_documents)
+    told = []
+
+    def on_build(path):
+        told.append(path)
+        assert not path.exists(), "called before the build"
+
+    corpus = default_corpus_dir(tmp_path, on_build=on_build)
+    assert told == [corpus]
+    assert default_corpus_dir(tmp_path, on_build=on_build) == corpus
+    assert told == [corpus]  # cached: no build, no call

@@ -18,7 +18,7 @@ import shutil
 import sys
 import sysconfig
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from mt_data.build import build_documents, build_lock, check_tokenizer
@@ -207,7 +207,11 @@ def _cache_root(cache_dir: str | Path | None) -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "moetrain"
 
 
-def default_corpus_dir(cache_dir: str | Path | None = None) -> Path:
+def default_corpus_dir(
+    cache_dir: str | Path | None = None,
+    *,
+    on_build: Callable[[Path], None] | None = None,
+) -> Path:
     """The default corpus directory, built on first use (7-15 s on 2 cores) and cached.
 
     The corpus lives in `<cache>/corpus/stdlib-py<major.minor>-<hash>`, where `<cache>` is
@@ -218,6 +222,8 @@ def default_corpus_dir(cache_dir: str | Path | None = None) -> Path:
 
     Args:
         cache_dir: Root of the cache; None uses `$MT_CACHE_DIR` or `~/.cache/moetrain`.
+        on_build: Called with the corpus directory just before a build starts (not when
+            the corpus is cached), say to tell the user what the wait is for.
 
     Returns:
         The corpus directory (holding `stdlib.bin`, `stdlib.idx`, `manifest.json`).
@@ -227,6 +233,8 @@ def default_corpus_dir(cache_dir: str | Path | None = None) -> Path:
     final = parent / f"stdlib-py{version}-{_corpus_key()}"
     if (final / MANIFEST_NAME).is_file():
         return final
+    if on_build is not None:
+        on_build(final)
     parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=parent))
     try:

@@ -134,7 +134,7 @@ def setup(cfg: JobConfig) -> TrainState:
         data_dir = Path(cfg.data.path)
     else:  # one rank builds the embedded corpus, the others wait and read it
         if env.is_main:
-            default_corpus_dir()
+            default_corpus_dir(on_build=_log_default_corpus_build)
         barrier()
         data_dir = default_corpus_dir()
     try:
@@ -229,6 +229,14 @@ def setup(cfg: JobConfig) -> TrainState:
     if env.is_main:
         _write_json_atomic(run_dir / "config.json", cfg.to_dict())
     return state
+
+
+def _log_default_corpus_build(path: Path) -> None:
+    log.info(
+        "data.path is empty: building the default corpus (this Python's standard library "
+        "sources) into %s, once; later runs reuse it (set $MT_CACHE_DIR to move the cache)",
+        path,
+    )
 
 
 def _resume(state: TrainState, checkpoint) -> None:
