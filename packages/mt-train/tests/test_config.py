@@ -135,3 +135,12 @@ def test_a_run_dir_that_is_a_file_is_a_one_line_error(tmp_path, capsys):
         assert main(["pretrain", "tiny", f"run_dir={run_dir}", "training.max_steps=1"]) == 2
         err = capsys.readouterr().err
         assert f"run_dir ({str(run_dir)!r}) {rule}" in err and "Traceback" not in err
+
+
+def test_a_validation_path_without_an_interval_is_an_error_naming_both_keys(capsys):
+    argv = ["pretrain", "tiny", "validation.path=/data/heldout", "--print-config"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "validation.path ('/data/heldout') is set but validation.interval is 0" in err
+    assert "set validation.interval=N" in err and "Traceback" not in err
+    assert main([*argv, "validation.interval=50"]) == 0  # both set: validation runs

@@ -189,7 +189,8 @@ class ValidationConfig:
 
     Attributes:
         path: a corpus directory; empty disables validation.
-        interval: evaluate every this many steps (and after the last); 0 disables it.
+        interval: evaluate every this many steps (and after the last); set exactly when
+            `path` is (0 with a path, or a positive interval without one, is an error).
         steps: global batches (of `training.global_batch_size` sequences) per
             evaluation; the same batches every time, so values are comparable.
     """
@@ -208,6 +209,12 @@ class ValidationConfig:
             raise ValueError(
                 f"validation.interval ({self.interval}) needs validation.path, a held-out "
                 "corpus directory (mt-data build); set it or validation.interval=0"
+            )
+        if self.path and not self.interval:
+            raise ValueError(
+                f"validation.path ({self.path!r}) is set but validation.interval is 0, so "
+                "no validation would run; set validation.interval=N (evaluate every N "
+                "steps) or validation.path=''"
             )
 
     @property
