@@ -43,7 +43,7 @@ from mt_train.checkpoint import (
     save_checkpoint,
 )
 from mt_train.config import JobConfig
-from mt_train.convert import init_config_differences, init_from_weights
+from mt_train.convert import _init_source_kind, init_config_differences, init_from_weights
 from mt_train.distributed import Env, all_reduce, barrier, init_distributed
 from mt_train.faults import NonFiniteError, agree_to_stop, stop_on_signals, write_exit_file
 from mt_train.metrics import MetricsLogger, build_sinks, peak_flops
@@ -118,6 +118,8 @@ def setup(cfg: JobConfig) -> TrainState:
     run_dir = Path(cfg.run_dir)
     if run_dir.exists() and not run_dir.is_dir():  # checked before the slow setup below
         raise ValueError(f"run_dir ({cfg.run_dir!r}) is a file; choose a directory path")
+    if cfg.init_from and latest_checkpoint(checkpoint_root(run_dir)) is None:
+        _init_source_kind(Path(cfg.init_from))  # a wrong path fails before anything is built
     if cfg.training.num_threads:
         torch.set_num_threads(cfg.training.num_threads)
     device_type, autocast_dtype = _resolve_device(cfg)
