@@ -144,3 +144,15 @@ def test_a_validation_path_without_an_interval_is_an_error_naming_both_keys(caps
     assert "validation.path ('/data/heldout') is set but validation.interval is 0" in err
     assert "set validation.interval=N" in err and "Traceback" not in err
     assert main([*argv, "validation.interval=50"]) == 0  # both set: validation runs
+
+
+def test_an_empty_run_dir_is_refused_not_taken_as_the_current_directory(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    assert main(["pretrain", "tiny", "run_dir=", "training.max_steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert "run_dir ('') is empty, which would put checkpoints and metrics in the current" in err
+    assert "set run_dir=runs/NAME" in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+    assert main(["pretrain", "tiny", "run_dir=.", "--print-config"]) == 0  # said on purpose

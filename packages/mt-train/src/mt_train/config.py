@@ -313,7 +313,8 @@ class JobConfig:
 
     Attributes:
         model: a model-family config (for example `mt_models.Qwen3MoeConfig`).
-        run_dir: where metrics, checkpoints and the resolved config go.
+        run_dir: where metrics, checkpoints and the resolved config go; not empty (use
+            "." for the current directory).
         seed: seeds weight initialization and data shuffling.
         log_every: print a console line every this many steps.
         init_from: start a new run from these weights: a Hugging Face directory
@@ -343,6 +344,12 @@ class JobConfig:
             raise ValueError(
                 f"model ({type(self.model).__name__}) is not a known model family config; "
                 f"known: {sorted(MODEL_FAMILIES)}"
+            )
+        if not self.run_dir:  # Path("") is the current directory
+            raise ValueError(
+                f"run_dir ({self.run_dir!r}) is empty, which would put checkpoints and "
+                "metrics in the current directory; set run_dir=runs/NAME (or run_dir=. to "
+                "mean the current directory)"
             )
         if self.log_every < 1:
             raise ValueError(f"log_every ({self.log_every}) must be >= 1")
