@@ -132,6 +132,8 @@ def setup(cfg: JobConfig) -> TrainState:
         seq_len=cfg.data.seq_len,
     )
     check_batch_split(cfg.training.global_batch_size, cfg.training.micro_batch_size, dims)
+    if env.is_main:
+        _warn_if_all_warmup(cfg)
     if cfg.data.path:
         data_dir = Path(cfg.data.path)
     else:  # one rank builds the embedded corpus, the others wait and read it
@@ -231,6 +233,24 @@ def setup(cfg: JobConfig) -> TrainState:
     if env.is_main:
         _write_json_atomic(run_dir / "config.json", cfg.to_dict())
     return state
+
+
+def _warn_if_all_warmup(cfg: JobConfig) -> None:
+    """Warn when the whole run is linear warm-up, with no decay (legal, but rarely meant)."""
+    training = cfg.training
+    if training.warmup_steps < training.max_steps:
+        return
+    log.warning(
+        "training.warmup_steps (%d) >= training.max_steps (%d): the whole run is warm-up, "
+        "the LR rises to %.3e (training.lr %.3e) and never decays; for it to reach "
+        "training.lr and decay, set training.warmup_steps below %d (say %d)",
+        training.warmup_steps,
+        training.max_steps,
+        lr_at(training.max_steps, training),
+        training.lr,
+        training.max_steps,
+        training.max_steps // 10,
+    )
 
 
 def _log_default_corpus_build(path: Path) -> None:
