@@ -230,6 +230,26 @@ def test_init_from_a_mismatched_model_names_the_parameter_and_shapes(tmp_path):
         pretrain(resolve_config(get_recipe("tiny"), overrides=overrides))
 
 
+def test_a_wrong_init_from_fails_before_the_model_is_built_or_run_dir_made(tmp_path, monkeypatch):
+    import mt_train.train
+
+    def build_model(config):
+        raise AssertionError("the model was built before init_from was checked")
+
+    monkeypatch.setattr(mt_train.train, "build_model", build_model)
+    overrides = [f"run_dir={tmp_path / 'run'}", f"init_from={tmp_path / 'typo'}"]
+    with pytest.raises(ValueError, match=r"init_from \('.*typo'\) is neither a Hugging Face"):
+        setup(resolve_config(get_recipe("tiny"), overrides=overrides))
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_with_a_checkpoint_to_resume_ignores_a_missing_init_from(tmp_path):
+    run = [f"run_dir={tmp_path / 'run'}", "training.max_steps=1"]
+    pretrain(resolve_config(get_recipe("tiny"), overrides=run))
+    state = setup(resolve_config(get_recipe("tiny"), overrides=[*run, "init_from=/gone"]))
+    assert state.step == 1
+
+
 @pytest.mark.parametrize("source", ["hf", "mt"])
 def test_init_from_a_source_with_another_rope_theta_and_norm_topk_prob_warns_naming_them(
     tmp_path, caplog, source

@@ -173,3 +173,36 @@ def test_weights_and_biases_gets_every_step_in_an_offline_run(tmp_path, monkeypa
         assert data["loss"] == row["loss"] and data["grad_norm"] == row["grad_norm"]
     (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     assert run_file.stat().st_size > 0
+
+
+def test_the_first_run_says_it_builds_the_default_corpus_and_where(tmp_path, monkeypatch, caplog):
+    import mt_data.default_corpus
+    from mt_train.train import setup
+
+    documents = ["def f(x):\n    return x + 1\n" * 50] * 20  # enough for 64-token samples
+    monkeypatch.setattr(mt_data.default_corpus, "iter_default_documents", lambda: iter(documents))
+    monkeypatch.setenv("MT_CACHE_DIR", str(tmp_path / "cache"))
+    with caplog.at_level(logging.INFO, logger="mt_train"):
+        setup(_cfg(tmp_path / "run"))
+    corpus = default_corpus_dir()
+    assert corpus.parent == tmp_path / "cache" / "corpus"
+    assert f"building the default corpus (this Python's standard library sources) into {corpus}" \
+        in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="mt_train"):
+        setup(_cfg(tmp_path / "run"))  # cached: nothing to say
+    assert "building the default corpus" not in caplog.text
+
+
+def test_a_warmup_as_long_as_the_run_warns_at_setup(tmp_path, caplog):
+    from mt_train.train import setup
+
+    with caplog.at_level(logging.WARNING, logger="mt_train"):
+        setup(_cfg(tmp_path / "short", "training.max_steps=4"))  # the tiny recipe warms up 15
+    assert "training.warmup_steps (15) >= training.max_steps (4): the whole run is warm-up, " \
+        "the LR rises to 8.000e-04 (training.lr 3.000e-03) and never decays; for it to reach " \
+        "training.lr and decay, set training.warmup_steps below 4 (say 0)" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mt_train"):
+        setup(_cfg(tmp_path / "long", "training.max_steps=16"))
+    assert "warmup_steps" not in caplog.text

@@ -288,7 +288,14 @@ def test_cli_inspect_prints_shards_counts_dtype_and_decoded_text(tmp_path, capsy
     shard = IndexedDataset(tmp_path / "out" / "i")
     assert f"i {2:>43} {shard.num_tokens:>15}  uint16".split() == out.splitlines()[1].split()
     assert "def hello():\n    return 'world'\n<|endoftext|>" in out
+    assert out.splitlines()[2].split() == ["total", "(1", "shard)", "2", str(shard.num_tokens)]
     assert main(["inspect", str(tmp_path / "nothing")]) == 2
+    _write_jsonl(tmp_path / "j.jsonl", ["y = 2\n"])
+    build_corpus([path, tmp_path / "j.jsonl"], default_tokenizer_path(), tmp_path / "two",
+                 workers=0, progress=False)  # fmt: skip
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "two")]) == 0
+    assert capsys.readouterr().out.splitlines()[3].split()[:3] == ["total", "(2", "shards)"]
 
 
 def test_cli_inspect_refuses_a_missing_tokenizer_and_negative_counts(tmp_path, capsys):

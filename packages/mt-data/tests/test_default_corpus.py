@@ -118,3 +118,55 @@ def test_a_concurrent_build_that_finishes_first_wins_and_ours_is_discarded(tmp_p
     assert default_corpus_dir() == final
     assert (final / "winner").is_file()
     assert [p.name for p in final.parent.iterdir()] == [final.name]
+
+
+def test_cli_build_default_refuses_a_directory_of_mt_data_build_and_deletes_nothing(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setattr(default_corpus, "iter_default_documents", _small_documents)
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "hello"}) + "\n")
+    out = tmp_path / "out"
+    argv = ["build", "--tokenizer", str(default_tokenizer_path()), "--output", str(out),
+            "--workers", "0", "--no-progress", str(tmp_path / "a.jsonl")]  # fmt: skip
+    assert main(argv) == 0  # the same tokenizer as the default corpus's
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    capsys.readouterr()
+    assert main(["build-default", "--output", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"output {out} holds .mt-data, a.bin, a.idx, which build-default did not" in err
+    assert "choose a new or empty output directory" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine\n")
+    assert main(["build-default", "--output", str(tmp_path / "notes"), "--no-progress"]) == 2
+    assert "holds todo.txt" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "notes").iterdir()) == ["todo.txt"]
+
+
+def test_build_default_replaces_an_earlier_default_corpus_even_an_interrupted_one(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(default_corpus, "iter_default_documents", lambda: iter(["x = 1\n"]))
+    out = default_corpus.build_default_corpus(tmp_path / "out")
+    assert len(IndexedDataset(out / "stdlib")) == 1
+    (out / "manifest.json").unlink()  # interrupted mid-build: the manifest goes first
+    (out / "stdlib.bin.tmp").write_bytes(b"torn")
+    monkeypatch.setattr(default_corpus, "iter_default_documents", _small_documents)
+    assert default_corpus.build_default_corpus(out) == out
+    assert len(IndexedDataset(out / "stdlib")) == 2
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "stdlib.bin", "stdlib.idx"]
+
+
+def test_on_build_is_told_the_directory_before_a_build_and_not_when_cached(tmp_path, monkeypatch):
+    monkeypatch.setattr(default_corpus, "iter_default_documents", _small_documents)
+    told = []
+
+    def on_build(path):
+        told.append(path)
+        assert not path.exists(), "called before the build"
+
+    corpus = default_corpus_dir(tmp_path, on_build=on_build)
+    assert told == [corpus]
+    assert default_corpus_dir(tmp_path, on_build=on_build) == corpus
+    assert told == [corpus]  # cached: no build, no call

@@ -135,3 +135,54 @@ def test_a_run_dir_that_is_a_file_is_a_one_line_error(tmp_path, capsys):
         assert main(["pretrain", "tiny", f"run_dir={run_dir}", "training.max_steps=1"]) == 2
         err = capsys.readouterr().err
         assert f"run_dir ({str(run_dir)!r}) {rule}" in err and "Traceback" not in err
+
+
+def test_a_validation_path_without_an_interval_is_an_error_naming_both_keys(capsys):
+    argv = ["pretrain", "tiny", "validation.path=/data/heldout", "--print-config"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "validation.path ('/data/heldout') is set but validation.interval is 0" in err
+    assert "set validation.interval=N" in err and "Traceback" not in err
+    assert main([*argv, "validation.interval=50"]) == 0  # both set: validation runs
+
+
+def test_an_empty_run_dir_is_refused_not_taken_as_the_current_directory(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    assert main(["pretrain", "tiny", "run_dir=", "training.max_steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert "run_dir ('') is empty, which would put checkpoints and metrics in the current" in err
+    assert "set run_dir=runs/NAME" in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+    assert main(["pretrain", "tiny", "run_dir=.", "--print-config"]) == 0  # said on purpose
+
+
+def test_every_option_has_help_stating_its_default_and_is_in_the_module_docstring():
+    import argparse
+
+    import mt_train.cli
+
+    def subparsers(parser):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    yield sub
+                    yield from subparsers(sub)
+
+    checked = []
+    for sub in subparsers(mt_train.cli.build_parser()):
+        for action in sub._actions:
+            option = max(action.option_strings, key=len, default=None)
+            if option is None or option == "--help":
+                continue
+            assert action.help, f"{sub.prog} {option} has no help"
+            if action.default not in (None, False):
+                assert "default" in action.help, f"{sub.prog} {option}: {action.help!r}"
+            assert f"{option} " in mt_train.cli.__doc__ or f"{option}]" in mt_train.cli.__doc__, (
+                f"{sub.prog} {option} is missing from mt_train/cli.py's docstring"
+            )
+            checked.append(option)
+    assert {"--top-p", "--seed", "--device", "--max-new-tokens", "--max-shard-size"} <= set(
+        checked
+    )

@@ -109,10 +109,17 @@ def _parser() -> argparse.ArgumentParser:
         help="build the embedded default corpus (Python's standard library) into DIR",
         description=(
             "Tokenize the running Python's standard library .py files with mt-data's "
-            "packaged tokenizer into DIR (no network needed)."
+            "packaged tokenizer into DIR (no network needed). DIR must be new, empty, or "
+            "hold only an earlier default corpus, which is replaced; if it holds anything "
+            "else (say the shards of mt-data build) it is an error and nothing is deleted."
         ),
     )
-    default.add_argument("--output", required=True, metavar="DIR", help="corpus directory")
+    default.add_argument(
+        "--output",
+        required=True,
+        metavar="DIR",
+        help="corpus directory: new, empty, or an earlier default corpus (replaced)",
+    )
     default.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return parser
 

@@ -18,15 +18,16 @@ import shutil
 import sys
 import sysconfig
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from mt_data.build import build_documents, build_lock, check_tokenizer, remove_stale_shards
+from mt_data.build import build_documents, build_lock, check_tokenizer
 from mt_data.manifest import (
     MANIFEST_NAME,
     MANIFEST_VERSION,
     corpus_manifest,
     file_sha256,
+    read_manifest,
     write_manifest,
 )
 from mt_data.tokenizer import load_tokenizer
@@ -42,6 +43,20 @@ __all__ = [
 
 _ASSETS = Path(__file__).parent / "assets"
 DEFAULT_SHARD_NAME = "stdlib"
+# The manifest's `source` of a default corpus, and every name `build_default_corpus` writes
+# into its output (the shard, its in-progress temporaries, the manifest and its temporary):
+# the only names it may replace.
+_DEFAULT_SOURCE = "python-stdlib"
+_DEFAULT_CORPUS_NAMES = frozenset(
+    {
+        f"{DEFAULT_SHARD_NAME}.bin",
+        f"{DEFAULT_SHARD_NAME}.idx",
+        f"{DEFAULT_SHARD_NAME}.bin.tmp",
+        f"{DEFAULT_SHARD_NAME}.idx.tmp",
+        MANIFEST_NAME,
+        f"{MANIFEST_NAME}.tmp",
+    }
+)
 # Directories skipped anywhere below the standard library root: third-party code,
 # test suites (large and full of deliberately odd code), tools not worth learning, and
 # generated data rather than code: `encodings` (1.4 MB of codec tables) and `pydoc_data`
@@ -120,21 +135,47 @@ def _corpus_key() -> str:
     return digest.hexdigest()[:12]
 
 
+def _check_replaceable(out: Path) -> None:
+    """Refuse an output directory holding anything an earlier default build did not write.
+
+    Raises:
+        ValueError: If `out` holds other files (say the shards of `mt-data build`), or its
+            manifest describes a corpus other than the default one.
+    """
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in _DEFAULT_CORPUS_NAMES)
+    if foreign:
+        more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+        shown = ", ".join(foreign[:5]) + more
+        raise ValueError(
+            f"output {out} holds {shown}, which build-default did not write; it replaces only "
+            "an earlier default corpus and deletes nothing else: choose a new or empty output "
+            "directory (or move those files away)"
+        )
+    manifest = read_manifest(out)
+    if manifest is not None and manifest.get("source") != _DEFAULT_SOURCE:
+        raise ValueError(
+            f"{out / MANIFEST_NAME}: this directory holds a corpus that is not the default "
+            "corpus (built by mt-data build?); choose a new or empty output directory"
+        )
+
+
 def build_default_corpus(output: str | Path, *, progress: bool = False) -> Path:
     """Tokenize the default corpus into `output` (one shard plus manifest.json).
 
     Args:
-        output: The corpus directory; created if missing. An existing corpus there (made
-            with the same tokenizer) is replaced: its manifest is removed first, shards of
-            `mt-data build` removed, the new shard written atomically, the manifest last.
+        output: The corpus directory; created if missing. It must be empty or hold only
+            an earlier default corpus (complete or interrupted), which is replaced: its
+            manifest is removed first, the new shard written atomically, the manifest
+            last. Any other file there is an error, and nothing is deleted.
         progress: Show a tqdm progress bar.
 
     Returns:
         The corpus directory.
 
     Raises:
-        ValueError: If `output` holds a corpus made with another tokenizer, or another
-            build is writing it.
+        ValueError: If `output` holds files an earlier default build did not write (say
+            the shards of `mt-data build`), a corpus made with another tokenizer, or
+            another build is writing it.
     """
     out = Path(output).expanduser()
     if out.exists() and not out.is_dir():
@@ -143,6 +184,7 @@ def build_default_corpus(output: str | Path, *, progress: bool = False) -> Path:
     tokenizer = load_tokenizer(default_tokenizer_path())
     with build_lock(out):
         check_tokenizer(out, file_sha256(tokenizer.path), tokenizer.path)
+        _check_replaceable(out)
         (out / MANIFEST_NAME).unlink(missing_ok=True)  # its stdlib shard is rewritten
         shard = build_documents(
             iter_default_documents(), tokenizer, out / DEFAULT_SHARD_NAME, progress=progress
@@ -151,11 +193,10 @@ def build_default_corpus(output: str | Path, *, progress: bool = False) -> Path:
         manifest = corpus_manifest(
             tokenizer,
             [shard],
-            source="python-stdlib",
+            source=_DEFAULT_SOURCE,
             python_version=f"{sys.version_info.major}.{sys.version_info.minor}",
         )
         write_manifest(out, manifest)
-        remove_stale_shards(out, set())
     return out
 
 
@@ -166,7 +207,11 @@ def _cache_root(cache_dir: str | Path | None) -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "moetrain"
 
 
-def default_corpus_dir(cache_dir: str | Path | None = None) -> Path:
+def default_corpus_dir(
+    cache_dir: str | Path | None = None,
+    *,
+    on_build: Callable[[Path], None] | None = None,
+) -> Path:
     """The default corpus directory, built on first use (7-15 s on 2 cores) and cached.
 
     The corpus lives in `<cache>/corpus/stdlib-py<major.minor>-<hash>`, where `<cache>` is
@@ -177,6 +222,8 @@ def default_corpus_dir(cache_dir: str | Path | None = None) -> Path:
 
     Args:
         cache_dir: Root of the cache; None uses `$MT_CACHE_DIR` or `~/.cache/moetrain`.
+        on_build: Called with the corpus directory just before a build starts (not when
+            the corpus is cached), say to tell the user what the wait is for.
 
     Returns:
         The corpus directory (holding `stdlib.bin`, `stdlib.idx`, `manifest.json`).
@@ -186,6 +233,8 @@ def default_corpus_dir(cache_dir: str | Path | None = None) -> Path:
     final = parent / f"stdlib-py{version}-{_corpus_key()}"
     if (final / MANIFEST_NAME).is_file():
         return final
+    if on_build is not None:
+        on_build(final)
     parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=parent))
     try:

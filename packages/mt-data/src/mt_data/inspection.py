@@ -47,9 +47,8 @@ def inspect_corpus(
         lines.append(f"{prefix.name:<32} {num_docs:>12,} {shard.num_tokens:>15,}  {shard.dtype}")
     total_docs = sum(len(s.document_indices) - 1 for s in shards)
     total_tokens = sum(s.num_tokens for s in shards)
-    lines.append(
-        f"{'total (' + str(len(shards)) + ' shards)':<32} {total_docs:>12,} {total_tokens:>15,}"
-    )
+    total = f"total ({len(shards)} shard{'s' if len(shards) != 1 else ''})"
+    lines.append(f"{total:<32} {total_docs:>12,} {total_tokens:>15,}")
     manifest = read_manifest(prefixes[0].parent) or {}
     if manifest:
         lines.append(

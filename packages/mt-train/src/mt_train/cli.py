@@ -4,6 +4,7 @@
     mt-train convert hf-to-mt --hf DIR --out DIR
     mt-train convert mt-to-hf --checkpoint DIR --out DIR [--max-shard-size 5GB]
     mt-train generate --checkpoint DIR --prompt TEXT [--max-new-tokens N] [--temperature T]
+                      [--top-p P] [--seed N] [--device cpu|cuda]
 
 `python -m mt_train ...` is the same program.
 """
@@ -95,13 +96,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--checkpoint", required=True, metavar="DIR", help="mt checkpoint")
     gen.add_argument("--prompt", required=True, metavar="TEXT", help="text to continue")
-    gen.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    gen.add_argument(
+        "--max-new-tokens", type=int, default=64, metavar="N", help="tokens to add (default: 64)"
+    )
     gen.add_argument(
         "--temperature", type=float, default=0.0, metavar="T", help="0 (default) decodes greedily"
     )
-    gen.add_argument("--top-p", type=float, default=0.9, metavar="P")
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--device", default="cpu", help="cpu or cuda")
+    gen.add_argument(
+        "--top-p",
+        type=float,
+        default=0.9,
+        metavar="P",
+        help="when sampling, draw from the likeliest tokens whose probability reaches P "
+        "(default: 0.9)",
+    )
+    gen.add_argument(
+        "--seed", type=int, default=0, metavar="N", help="seed of the sampling (default: 0)"
+    )
+    gen.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     return parser
 
 

@@ -189,7 +189,8 @@ class ValidationConfig:
 
     Attributes:
         path: a corpus directory; empty disables validation.
-        interval: evaluate every this many steps (and after the last); 0 disables it.
+        interval: evaluate every this many steps (and after the last); set exactly when
+            `path` is (0 with a path, or a positive interval without one, is an error).
         steps: global batches (of `training.global_batch_size` sequences) per
             evaluation; the same batches every time, so values are comparable.
     """
@@ -208,6 +209,12 @@ class ValidationConfig:
             raise ValueError(
                 f"validation.interval ({self.interval}) needs validation.path, a held-out "
                 "corpus directory (mt-data build); set it or validation.interval=0"
+            )
+        if self.path and not self.interval:
+            raise ValueError(
+                f"validation.path ({self.path!r}) is set but validation.interval is 0, so "
+                "no validation would run; set validation.interval=N (evaluate every N "
+                "steps) or validation.path=''"
             )
 
     @property
@@ -306,7 +313,8 @@ class JobConfig:
 
     Attributes:
         model: a model-family config (for example `mt_models.Qwen3MoeConfig`).
-        run_dir: where metrics, checkpoints and the resolved config go.
+        run_dir: where metrics, checkpoints and the resolved config go; not empty (use
+            "." for the current directory).
         seed: seeds weight initialization and data shuffling.
         log_every: print a console line every this many steps.
         init_from: start a new run from these weights: a Hugging Face directory
@@ -336,6 +344,12 @@ class JobConfig:
             raise ValueError(
                 f"model ({type(self.model).__name__}) is not a known model family config; "
                 f"known: {sorted(MODEL_FAMILIES)}"
+            )
+        if not self.run_dir:  # Path("") is the current directory
+            raise ValueError(
+                f"run_dir ({self.run_dir!r}) is empty, which would put checkpoints and "
+                "metrics in the current directory; set run_dir=runs/NAME (or run_dir=. to "
+                "mean the current directory)"
             )
         if self.log_every < 1:
             raise ValueError(f"log_every ({self.log_every}) must be >= 1")

@@ -43,7 +43,7 @@ from mt_train.checkpoint import (
     save_checkpoint,
 )
 from mt_train.config import JobConfig
-from mt_train.convert import init_config_differences, init_from_weights
+from mt_train.convert import _init_source_kind, init_config_differences, init_from_weights
 from mt_train.distributed import Env, all_reduce, barrier, init_distributed
 from mt_train.faults import NonFiniteError, agree_to_stop, stop_on_signals, write_exit_file
 from mt_train.metrics import MetricsLogger, build_sinks, peak_flops
@@ -118,6 +118,8 @@ def setup(cfg: JobConfig) -> TrainState:
     run_dir = Path(cfg.run_dir)
     if run_dir.exists() and not run_dir.is_dir():  # checked before the slow setup below
         raise ValueError(f"run_dir ({cfg.run_dir!r}) is a file; choose a directory path")
+    if cfg.init_from and latest_checkpoint(checkpoint_root(run_dir)) is None:
+        _init_source_kind(Path(cfg.init_from))  # a wrong path fails before anything is built
     if cfg.training.num_threads:
         torch.set_num_threads(cfg.training.num_threads)
     device_type, autocast_dtype = _resolve_device(cfg)
@@ -130,11 +132,13 @@ def setup(cfg: JobConfig) -> TrainState:
         seq_len=cfg.data.seq_len,
     )
     check_batch_split(cfg.training.global_batch_size, cfg.training.micro_batch_size, dims)
+    if env.is_main:
+        _warn_if_all_warmup(cfg)
     if cfg.data.path:
         data_dir = Path(cfg.data.path)
     else:  # one rank builds the embedded corpus, the others wait and read it
         if env.is_main:
-            default_corpus_dir()
+            default_corpus_dir(on_build=_log_default_corpus_build)
         barrier()
         data_dir = default_corpus_dir()
     try:
@@ -229,6 +233,32 @@ def setup(cfg: JobConfig) -> TrainState:
     if env.is_main:
         _write_json_atomic(run_dir / "config.json", cfg.to_dict())
     return state
+
+
+def _warn_if_all_warmup(cfg: JobConfig) -> None:
+    """Warn when the whole run is linear warm-up, with no decay (legal, but rarely meant)."""
+    training = cfg.training
+    if training.warmup_steps < training.max_steps:
+        return
+    log.warning(
+        "training.warmup_steps (%d) >= training.max_steps (%d): the whole run is warm-up, "
+        "the LR rises to %.3e (training.lr %.3e) and never decays; for it to reach "
+        "training.lr and decay, set training.warmup_steps below %d (say %d)",
+        training.warmup_steps,
+        training.max_steps,
+        lr_at(training.max_steps, training),
+        training.lr,
+        training.max_steps,
+        training.max_steps // 10,
+    )
+
+
+def _log_default_corpus_build(path: Path) -> None:
+    log.info(
+        "data.path is empty: building the default corpus (this Python's standard library "
+        "sources) into %s, once; later runs reuse it (set $MT_CACHE_DIR to move the cache)",
+        path,
+    )
 
 
 def _resume(state: TrainState, checkpoint) -> None:
