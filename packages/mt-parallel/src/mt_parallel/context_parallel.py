@@ -29,6 +29,8 @@ def zigzag_ranges(seq_len: int, cp: int, cp_rank: int) -> list[tuple[int, int]]:
     Returns:
         Two `(start, end)` ranges, each a chunk of S/(2·cp) inputs plus one label token.
     """
+    if cp < 1 or not 0 <= cp_rank < cp:
+        raise ValueError(f"cp ({cp}) must be >= 1 and cp_rank ({cp_rank}) in [0, {cp})")
     if seq_len % (2 * cp):
         raise ValueError(f"seq_len ({seq_len}) must be divisible by 2*cp ({2 * cp})")
     chunk = seq_len // (2 * cp)
