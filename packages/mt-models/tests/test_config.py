@@ -84,6 +84,14 @@ def test_flops_per_token_is_six_times_active_matmul_params_plus_attention():
         ("qwen3_moe", {"aux_loss_type": "batch"}, "aux_loss_type"),
         ("qwen3_moe", {"rope_scaling": {"rope_type": "longrope"}}, "not supported"),
         ("qwen3_moe", {"use_sliding_window": True, "sliding_window": None}, "sliding_window"),
+        ("qwen3_moe", {"rope_scaling": {"rope_type": "linear"}}, "needs a 'factor'"),
+        ("qwen3_moe", {"rope_scaling": {"rope_type": "yarn", "factor": 0.0}}, r"factor \(0.0\)"),
+        ("deepseek_v2", {"rope_scaling": {"type": "linear", "factor": -2.0}}, r"factor \(-2.0\)"),
+        (
+            "gpt_oss",
+            {"rope_scaling": {"rope_type": "yarn", "original_max_position_embeddings": 0}},
+            r"original_max_position_embeddings \(0\)",
+        ),
     ],
 )
 def test_family_configs_reject_invalid_values_naming_them(family, overrides, message):

@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -114,3 +115,37 @@ def test_layers_balancing_losses_combine_as_each_family_hub_code_does(build_debu
             f_LE = count_LE * num_experts / (topk * tokens_L[:, None])
             expected = (f_LE * prob_LE / tokens_L[:, None]).sum()
         torch.testing.assert_close(out.losses["load_balancing_loss"], expected)
+
+
+@pytest.mark.parametrize(
+    ("field", "change", "message"),
+    [
+        ("input_ids", lambda t: t[0], r"input_ids \(torch.int64 \(24,\)\) must be"),
+        ("input_ids", lambda t: t.float(), r"input_ids \(torch.float32 \(2, 24\)\) must be"),
+        ("labels", lambda t: t.float(), r"labels dtype \(torch.float32\)"),
+        ("labels", lambda t: t[:, 1:], r"labels shape \(\(2, 23\)\)"),
+        ("position_ids", lambda t: t[:, :20], r"position_ids \(torch.int64 \(2, 20\)\)"),
+        ("position_ids", lambda t: t[:1].expand(3, -1), r"position_ids \(torch.int64 \(3, 24\)\)"),
+        ("position_ids", lambda t: t.float(), r"position_ids \(torch.float32 \(2, 24\)\)"),
+    ],
+)
+def test_inputs_of_a_wrong_shape_or_dtype_fail_naming_them(
+    build_debug_model, field, change, message
+):
+    model = build_debug_model()
+    input_ids_BS, labels_BS = _batch()
+    inputs = {
+        "input_ids": input_ids_BS,
+        "labels": labels_BS,
+        "position_ids": torch.arange(24).expand(2, -1),
+    }
+    inputs[field] = change(inputs[field])
+    with pytest.raises(ValueError, match=message):
+        model(inputs["input_ids"], inputs["labels"], position_ids=inputs["position_ids"])
+
+
+def test_position_ids_of_one_row_broadcast_over_the_batch(build_debug_model):
+    model = build_debug_model()
+    input_ids_BS, _ = _batch()
+    logits_BSV = model(input_ids_BS, position_ids=torch.arange(24)[None])
+    torch.testing.assert_close(logits_BSV, model(input_ids_BS), rtol=0, atol=0)

@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from mt_parallel import ParallelDims
 
@@ -37,3 +38,32 @@ def test_a_micro_batch_that_does_not_fit_the_batch_ranks_gets_sizes_that_do():
         check_batch_split(12, 6, ParallelDims(world_size=4))
     with pytest.raises(ValueError, match="make training.global_batch_size a multiple of 4"):
         check_batch_split(10, 5, ParallelDims(world_size=4))
+
+
+@pytest.mark.parametrize(("global_batch", "micro_batch"), [(8, 0), (0, 4), (-4, 4)])
+def test_batch_sizes_below_one_are_rejected_naming_them(global_batch, micro_batch):
+    from mt_parallel.parallelize import check_batch_split
+
+    with pytest.raises(ValueError, match=rf"\({global_batch}\) and .* \({micro_batch}\)"):
+        check_batch_split(global_batch, micro_batch, ParallelDims(world_size=4, ep=2))
+
+
+def test_a_batch_rank_outside_the_batch_ranks_is_rejected_not_given_no_rows():
+    from mt_parallel.parallelize import rank_batch_slices
+
+    tokens = torch.arange(8 * 17).view(8, 17)
+    dims = ParallelDims(world_size=4, cp=2)  # dp 2: batch ranks 0 and 1
+    assert [inputs.shape for _, inputs, _, _ in rank_batch_slices(tokens, 4, dims, 1, 1)] == [
+        (2, 8),
+        (2, 8),
+    ]
+    with pytest.raises(ValueError, match=r"batch_rank \(3\) must be in \[0, dp\*ep=2\)"):
+        next(rank_batch_slices(tokens, 4, dims, 3, 0))
+
+
+@pytest.mark.parametrize(("cp", "cp_rank"), [(2, 2), (2, -1), (0, 0)])
+def test_a_cp_rank_outside_the_cp_group_is_rejected_not_given_other_chunks(cp, cp_rank):
+    from mt_parallel import zigzag_ranges
+
+    with pytest.raises(ValueError, match=rf"cp \({cp}\) must be >= 1 and cp_rank \({cp_rank}\)"):
+        zigzag_ranges(16, cp, cp_rank)

@@ -118,6 +118,41 @@ class DecoderStack(nn.Module):
         return StackOutput(self.norm(h_BSD), router_stats)
 
 
+_INDEX_DTYPES = (torch.int64, torch.int32)
+
+
+def _check_inputs(
+    input_ids_BS: Tensor, labels_BS: Tensor | None, position_ids: Tensor | None
+) -> None:
+    """Raises ValueError naming the input whose shape or dtype :meth:`CausalLM.forward`
+    cannot take (before: an unpacking error deep in a layer, or a gather dtype error)."""
+    if input_ids_BS.dim() != 2 or input_ids_BS.dtype not in _INDEX_DTYPES:
+        raise ValueError(
+            f"input_ids ({input_ids_BS.dtype} {tuple(input_ids_BS.shape)}) must be int64 or "
+            "int32 [B, S]; add a batch dim with input_ids[None] and pass token ids, not floats"
+        )
+    if labels_BS is not None:
+        if labels_BS.shape != input_ids_BS.shape:
+            raise ValueError(
+                f"labels shape ({tuple(labels_BS.shape)}) must equal input_ids shape "
+                f"({tuple(input_ids_BS.shape)}); shift labels, don't trim them"
+            )
+        if labels_BS.dtype not in _INDEX_DTYPES:
+            raise ValueError(f"labels dtype ({labels_BS.dtype}) must be int64 or int32")
+    if position_ids is None:
+        return
+    batch, seq_len = input_ids_BS.shape
+    shape = tuple(position_ids.shape)
+    fits = shape == (seq_len,) or (
+        len(shape) == 2 and shape[0] in (1, batch) and shape[1] == seq_len
+    )
+    if not fits or position_ids.dtype.is_floating_point or position_ids.dtype == torch.bool:
+        raise ValueError(
+            f"position_ids ({position_ids.dtype} {shape}) must be integers shaped [S] = "
+            f"[{seq_len}] or [B, S] = [{batch}, {seq_len}]; one position per input token"
+        )
+
+
 def _generator_for(seed: int, canonical_name: str) -> torch.Generator:
     """A CPU generator seeded by a stable hash of ``f"{seed}/{canonical_name}"``."""
     digest = hashlib.sha256(f"{seed}/{canonical_name}".encode()).digest()
@@ -191,14 +226,10 @@ class CausalLM(nn.Module):
         Returns:
             ``logits_BSV`` in the model dtype, or a :class:`LossOutput` when labels are given.
         """
+        _check_inputs(input_ids_BS, labels_BS, position_ids)
         stack = self.model(input_ids_BS, position_ids)
         if labels_BS is None:
             return nn.functional.linear(stack.hidden_BSD, self.output_weight)  # [B, S, V]
-        if labels_BS.shape != input_ids_BS.shape:
-            raise ValueError(
-                f"labels shape ({tuple(labels_BS.shape)}) must equal input_ids shape "
-                f"({tuple(input_ids_BS.shape)}); shift labels, don't trim them"
-            )
         hidden_TD = stack.hidden_BSD.reshape(-1, stack.hidden_BSD.shape[-1])
         ce_sum, num_tokens = linear_cross_entropy(
             hidden_TD, self.output_weight, labels_BS.reshape(-1), ignore_index=ignore_index

@@ -49,8 +49,9 @@ def check_router_losses(config: Any) -> None:
 
 
 def check_rope(config: Any) -> None:
-    """Validates ``rope_theta``, ``rms_norm_eps`` and the ``rope_scaling`` type; spells the
-    type key ``rope_type`` (older Hub files say ``type``)."""
+    """Validates ``rope_theta``, ``rms_norm_eps`` and ``rope_scaling`` (its type, and a
+    ``factor`` > 0, required by ``linear``: a factor of 0 makes every RoPE angle NaN); spells
+    the type key ``rope_type`` (older Hub files say ``type``)."""
     from mt_models.layers.rope import rope_type_of
 
     if config.rope_scaling and "type" in config.rope_scaling:
@@ -62,4 +63,20 @@ def check_rope(config: Any) -> None:
         raise ValueError(
             f"rope_theta ({config.rope_theta}) and rms_norm_eps ({config.rms_norm_eps}) must be > 0"
         )
-    rope_type_of(config.rope_scaling)
+    rope_type = rope_type_of(config.rope_scaling)
+    if rope_type == "default":
+        return
+    factor = config.rope_scaling.get("factor")
+    if factor is None and rope_type == "linear":
+        raise ValueError(
+            "rope_scaling of type 'linear' needs a 'factor' (the context extension, e.g. 2.0)"
+        )
+    if factor is not None and not factor > 0:
+        raise ValueError(
+            f"rope_scaling factor ({factor}) must be > 0 (the context extension, usually >= 1)"
+        )
+    original = config.rope_scaling.get("original_max_position_embeddings")
+    if original is not None and original < 1:
+        raise ValueError(
+            f"rope_scaling original_max_position_embeddings ({original}) must be >= 1 or absent"
+        )

@@ -29,6 +29,8 @@ def zigzag_ranges(seq_len: int, cp: int, cp_rank: int) -> list[tuple[int, int]]:
     Returns:
         Two `(start, end)` ranges, each a chunk of S/(2·cp) inputs plus one label token.
     """
+    if cp < 1 or not 0 <= cp_rank < cp:
+        raise ValueError(f"cp ({cp}) must be >= 1 and cp_rank ({cp_rank}) in [0, {cp})")
     if seq_len % (2 * cp):
         raise ValueError(f"seq_len ({seq_len}) must be divisible by 2*cp ({2 * cp})")
     chunk = seq_len // (2 * cp)
@@ -101,7 +103,8 @@ class ContextParallelAttention:
             q_BHSD: queries of this rank's tokens (RoPE applied at global positions).
             k_BHSD: keys of this rank's tokens.
             v_BHSD: values of this rank's tokens.
-            positions_S: global positions of this rank's tokens.
+            positions_S: global positions of this rank's tokens, [S_local] or [B, S_local]
+                (`zigzag_positions`); required.
             scale: softmax scale (None: 1/sqrt(head dim)).
             window: sliding-window size, None for full causal attention.
             sinks_H: per-head attention-sink logits, or None.
@@ -109,11 +112,18 @@ class ContextParallelAttention:
         Returns:
             Attention output for this rank's queries [B, H, S_local, Dv].
         """
+        if positions_S is None:
+            raise ValueError(
+                "context parallelism needs position_ids: the global positions of this rank's "
+                "tokens (zigzag_positions(seq_len, cp, cp_rank), or rank_batch_slices' positions)"
+            )
         k_all = _GatherSeq.apply(k_BHSD, self.group)
         v_all = _GatherSeq.apply(v_BHSD, self.group)
         parts = [torch.empty_like(positions_S) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(parts, positions_S.contiguous(), group=self.group)
+        # Along the sequence dim, in rank order as k_all and v_all: [S] or [B, S].
+        kv_positions = torch.cat(parts, dim=-1)
         return attention(
             q_BHSD, k_all, v_all, causal=True, scale=scale, window=window, sinks=sinks_H,
-            q_positions=positions_S, kv_positions=torch.cat(parts),
+            q_positions=positions_S, kv_positions=kv_positions,
         )

@@ -108,6 +108,11 @@ def parallelize(
 
 def check_batch_split(global_batch: int, micro_batch: int, dims: ParallelDims) -> None:
     """Raises ValueError unless the batch splits into micro-batches and batch ranks."""
+    if global_batch < 1 or micro_batch < 1:
+        raise ValueError(
+            f"training.global_batch_size ({global_batch}) and training.micro_batch_size "
+            f"({micro_batch}) must be >= 1"
+        )
     if global_batch % micro_batch:
         raise ValueError(
             f"training.micro_batch_size ({micro_batch}) must divide "
@@ -145,6 +150,11 @@ def rank_batch_slices(
         m = micro_batch / (dp·ep) and L = S / cp; positions are None without CP.
     """
     check_batch_split(tokens.shape[0], micro_batch, dims)
+    if not 0 <= batch_rank < dims.batch_ranks:
+        raise ValueError(
+            f"batch_rank ({batch_rank}) must be in [0, dp*ep={dims.batch_ranks}); pass "
+            "ParallelMesh.batch_rank, not the global rank"
+        )
     per_rank = micro_batch // dims.batch_ranks
     seq_len = tokens.shape[1] - 1
     for start in range(0, tokens.shape[0], micro_batch):

@@ -428,3 +428,28 @@ def check_fsdp_fused_experts_keep_router_weights(model_config: Any) -> None:
     assert seen == [(torch.bfloat16, weights_dtype)], (seen, weights_dtype)
     assert weights_dtype == torch.float32, "the router's weights are fp32"
     assert torch.equal(fused, phases), rel_err(fused.float(), phases.float())
+
+
+def check_context_parallel_positions(seq_len: int = 8, window: int = 3) -> None:
+    """Asserts, on each rank of a spawned CP group, that the context-parallel core gives the
+    one-process attention of its zigzag queries for positions of one row [S] and of each
+    row [B, S], and that missing positions fail with a ValueError naming them."""
+    from mt_ops import attention
+    from mt_parallel.context_parallel import ContextParallelAttention
+
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, seq_len, 8, generator=gen) for _ in range(3))  # [B, H, S, D]
+    positions_S = zigzag_positions(seq_len, cp, rank)
+    mine = (q[:, :, positions_S], k[:, :, positions_S], v[:, :, positions_S])
+    core = ContextParallelAttention(dist.group.WORLD)
+    expected = attention(q, k, v, causal=True, window=window)[:, :, positions_S]
+    for positions in (positions_S, positions_S.expand(2, -1)):
+        out = core(*mine, positions_S=positions, scale=None, window=window, sinks_H=None)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    try:
+        core(*mine, positions_S=None, scale=None, window=window, sinks_H=None)
+    except ValueError as err:
+        assert "context parallelism needs position_ids" in str(err), str(err)
+    else:
+        raise AssertionError("positions_S=None did not raise")
