@@ -107,9 +107,11 @@ def test_a_crash_in_the_middle_of_a_save_leaves_the_previous_checkpoint_resumabl
 
     monkeypatch.setattr(checkpoint_module.dcp, "save", save_then_crash)
     cfg = _cfg(tmp_path, "training.max_steps=4", "checkpoint.interval=2")
-    with pytest.raises(OSError, match="disk vanished"):
+    with pytest.raises(OSError, match="disk vanished") as raised:
         pretrain(cfg)
     root = checkpoint_root(tmp_path)
+    (note,) = raised.value.__notes__  # which save failed, and the disk space left
+    assert str(root / ".tmp-step_00000004") in note and "GB free there" in note
     assert _steps(tmp_path) == [2]
     assert (root / ".tmp-step_00000004" / ".metadata").is_file()  # the torn save is there
     monkeypatch.undo()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -101,7 +102,12 @@ def _train(nproc: int, run_dir: Path, overrides: list[str], recipe: str = "debug
            f"--nproc-per-node={nproc}", "-m", "mt_train", "pretrain", recipe,
            f"training.max_steps={steps}", "training.warmup_steps=2", f"run_dir={run_dir}",
            "checkpoint.interval=0", *overrides]
-    result = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True)
+    finally:
+        # Every run ends with a checkpoint (about 37 GB for qwen3-30b-a3b cut to 4 layers):
+        # three of them filled the 2-GPU machine's disk, and the third save failed.
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     if result.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-3000:]}")
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()

@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,6 +130,24 @@ def _keys_of_all_ranks(keys: set[str]) -> set[str]:
     return set().union(*gathered)
 
 
+@contextmanager
+def _naming_the_save(tmp: Path):
+    """Adds to an error of a checkpoint write which checkpoint it was and the free disk
+    space (a full disk shows as torch's 'unexpected pos ...' from its zip writer)."""
+    try:
+        yield
+    except (OSError, RuntimeError) as err:
+        try:
+            free = f"{shutil.disk_usage(tmp.parent).free / 1e9:.1f} GB free there"
+        except OSError:
+            free = "free space unknown"
+        err.add_note(
+            f"mt-train: writing checkpoint {tmp} failed ({free}); the previous complete "
+            "checkpoint is untouched and stays the newest"
+        )
+        raise
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -170,7 +189,8 @@ def save_checkpoint(
     tensors = _Tensors(model, optimizer).tensors
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(tensors, checkpoint_id=tmp)
+        with _naming_the_save(tmp):
+            dcp.save(tensors, checkpoint_id=tmp)
     return _finalize(root, step, train_state, keep_last)
 
 
@@ -266,7 +286,8 @@ class AsyncCheckpointer:
             return None
         future, step, train_state = self._pending
         self._pending = None
-        future.result()
+        with _naming_the_save(self.root / f".tmp-step_{step:08d}"):
+            future.result()
         return _finalize(self.root, step, train_state, self.keep_last)
 
 
