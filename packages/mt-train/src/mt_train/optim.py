@@ -55,9 +55,14 @@ def build_optimizer(model: nn.Module, cfg: TrainingConfig) -> torch.optim.AdamW:
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    # On CUDA the fused kernel: one pass over each parameter's p, grad and moments. The
+    # foreach path makes several (on the H200, Qwen3-30B-A3B cut to 4 layers: 66 ms of a
+    # 567 ms step in 1199 kernels). The CPU keeps foreach.
+    on_cuda = all(p.device.type == "cuda" for group in groups for p in group["params"])
     optimizer = torch.optim.AdamW(
-        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True
-    )
+        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+        fused=on_cuda or None, foreach=not on_cuda or None,
+    )  # fmt: skip
     init_optimizer_state(optimizer)
     return optimizer
 
@@ -68,7 +73,11 @@ def init_optimizer_state(optimizer: torch.optim.AdamW) -> None:
         for param in group["params"]:
             state = optimizer.state[param]
             if not state:
-                state["step"] = torch.zeros((), dtype=torch.float32)
+                # The fused kernel wants the step on the parameter's device, as AdamW's own
+                # first step would place it; foreach keeps it on the CPU.
+                fused = group.get("fused") or False
+                device = param.device if fused else torch.device("cpu")
+                state["step"] = torch.zeros((), dtype=torch.float32, device=device)
                 state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
