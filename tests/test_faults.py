@@ -55,6 +55,24 @@ def test_a_signal_saves_at_the_next_step_boundary_and_a_rerun_resumes_there(
     assert resumed.step == 5 and len(resumed.losses) == 2
 
 
+def test_a_signal_after_a_boundarys_agreement_stops_at_the_next_agreed_boundary(
+    tmp_path, monkeypatch
+):
+    # Between agree_to_stop and the next step the ranks are not in lockstep: a rank that
+    # left the loop on its own flag there would skip the step its peers run (a hang).
+    real_finish = train_module._finish_written_save
+
+    def finish_then_signal(state, writer):
+        real_finish(state, writer)
+        if state.step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # after step 3's agreement
+
+    monkeypatch.setattr(train_module, "_finish_written_save", finish_then_signal)
+    stopped = pretrain(_cfg(tmp_path, "training.max_steps=50", "checkpoint.interval=0"))
+    assert stopped.step == 4 and stopped.stop_requested
+    assert _steps(tmp_path) == [4]
+
+
 def _plant_nan_at(monkeypatch, bad_step):
     real_clip = train_module.clip_grad_norm
     calls = {"n": 0}

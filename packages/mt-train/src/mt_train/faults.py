@@ -32,13 +32,16 @@ class NonFiniteError(RuntimeError):
 
 @contextlib.contextmanager
 def stop_on_signals(state):
-    """While active, SIGTERM, SIGINT and SIGUSR1 set ``state.stop_requested``.
+    """While active, SIGTERM, SIGINT and SIGUSR1 set ``state.signal_received``.
 
-    The loop then saves and stops at the next step boundary. A second SIGINT (Ctrl-C
-    twice) in a process started without torchrun gives up at once. Under torchrun a
-    worker often gets a signal twice (from the terminal or scheduler, then forwarded by
-    the agent), so repeats are ignored there: the agent SIGKILLs after its grace period
-    anyway. The previous handlers come back on exit.
+    The loop then saves and stops at the next step boundary, where `agree_to_stop` sets
+    ``state.stop_requested`` on every rank at once. The handler never sets that flag
+    itself: a signal that arrives on one rank after the boundary's agreement would make
+    that rank leave the loop alone while the others run the next step's collectives.
+    A second SIGINT (Ctrl-C twice) in a process started without torchrun gives up at
+    once. Under torchrun a worker often gets a signal twice (from the terminal or
+    scheduler, then forwarded by the agent), so repeats are ignored there: the agent
+    SIGKILLs after its grace period anyway. The previous handlers come back on exit.
 
     Args:
         state: the loop state (`mt_train.train.TrainState`).
@@ -46,11 +49,11 @@ def stop_on_signals(state):
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
 
     def request_stop(signum, frame):
-        if state.stop_requested:
+        if state.signal_received:
             if signum == signal.SIGINT and not under_torchrun:
                 raise KeyboardInterrupt
             return
-        state.stop_requested = True
+        state.signal_received = True
         log.warning("received %s; saving a checkpoint after this step",
                     signal.Signals(signum).name)
 
@@ -83,7 +86,7 @@ def agree_to_stop(state) -> bool:
         state: the loop state.
 
     Returns:
-        True when some rank has `stop_requested` set.
+        True when some rank has `signal_received` set.
     """
-    flag = torch.tensor(int(state.stop_requested), device=state.device)
+    flag = torch.tensor(int(state.signal_received), device=state.device)
     return bool(all_reduce(flag, op="max"))

@@ -39,6 +39,8 @@ def lr_at(step: int, cfg: TrainingConfig) -> float:
 def build_optimizer(model: nn.Module, cfg: TrainingConfig) -> torch.optim.AdamW:
     """Builds AdamW with weight decay on matrices only (not on norms, biases).
 
+    A bias is named ``*.bias`` whatever its shape: GPT-OSS's expert biases are [E, O].
+
     Args:
         model: the model whose parameters to optimize.
         cfg: the training section of the run config.
@@ -48,9 +50,10 @@ def build_optimizer(model: nn.Module, cfg: TrainingConfig) -> torch.optim.AdamW:
         checkpoint can be loaded into it in place.
     """
     decay, no_decay = [], []
-    for _, param in model.named_parameters():
+    for name, param in model.named_parameters():
         if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
+            is_matrix = param.ndim >= 2 and not name.endswith("bias")
+            (decay if is_matrix else no_decay).append(param)
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

@@ -76,7 +76,8 @@ class TrainState:
     fp8_cache: FP8WeightCache | None = None
     step: int = 0
     skipped_steps: int = 0
-    stop_requested: bool = False
+    signal_received: bool = False  # this rank's, set by the signal handler
+    stop_requested: bool = False  # agreed by all ranks at a step boundary
     losses: list[float] = field(default_factory=list)
 
     @property
