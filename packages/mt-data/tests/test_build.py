@@ -406,3 +406,22 @@ def test_cli_bos_flag_does_not_take_the_input_as_its_token(tmp_path, tokenizer):
     assert main(argv) == 0
     ids = IndexedDataset(out / "a")[0].tolist()
     assert ids[0] == ids[-1] == tokenizer.eos_id
+
+
+def test_a_tokenizer_json_that_truncates_or_pads_still_stores_whole_documents(tmp_path, tokenizer):
+    from tokenizers import Tokenizer
+
+    # Hub tokenizer.json files may carry truncation and padding settings (for a model's
+    # inputs); a document must be stored whole, unpadded, whatever they say.
+    saved = Tokenizer.from_file(str(default_tokenizer_path()))
+    saved.enable_truncation(max_length=4)
+    saved.enable_padding(pad_id=tokenizer.eos_id, pad_token=tokenizer.eos_token)
+    path = tmp_path / "padded" / "tokenizer.json"
+    path.parent.mkdir()
+    saved.save(str(path))
+    a = write_jsonl(tmp_path / "a.jsonl", TEXTS_A)
+    build_corpus([a], path, tmp_path / "out", workers=0, progress=False)
+    shard = IndexedDataset(tmp_path / "out" / "a")
+    expected = tokenizer.encode_documents(TEXTS_A)
+    assert max(len(ids) for ids in expected) > 4
+    assert [shard[i].tolist() for i in range(len(shard))] == expected

@@ -3,6 +3,8 @@
 Document text is encoded as plain text: a literal `<|endoftext|>` inside a document is
 tokenized as the characters it is made of, never as the EOS id (the tokenizer's
 `encode_special_tokens` is switched on), so only the builder decides where documents end.
+Truncation and padding that a tokenizer.json may set are switched off: documents are
+stored whole and unpadded.
 """
 
 from __future__ import annotations
@@ -132,6 +134,10 @@ def load_tokenizer(
         raise ValueError(f"{file}: not a valid tokenizers JSON file ({e})") from e
 
     tokenizer.encode_special_tokens = True  # "<|endoftext|>" in a document is plain text
+    # A tokenizer.json may carry truncation and padding for a model's inputs (max_length
+    # 512, pad to the batch's longest): documents would be cut short or padded, silently.
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
     config_path = file.parent / "tokenizer_config.json"
     if eos_token is not None:
         source = "the eos_token argument"
