@@ -78,22 +78,40 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             h_CD = hidden_TD[start:stop]  # [C, D]
             valid_C = valid_T[start:stop]  # [C]
             target_C = torch.where(valid_C, labels_T[start:stop], 0)  # [C]
-            logits_CV = (h_CD @ weight_VD.T).float()  # [C, V]
-            lse_C = torch.logsumexp(logits_CV, dim=-1)  # [C]
-            target_logit_C = logits_CV.gather(1, target_C[:, None]).squeeze(1)  # [C]
+            logits_CV = h_CD @ weight_VD.T  # [C, V], the inputs' (or autocast's) dtype
+            need_grads = need_hidden_grad or need_weight_grad
+            if need_grads:
+                # The softmax upcasts to fp32 in its own pass; lse comes from the largest
+                # logit m and its probability p_m = 1 / Σ exp(logits - m), which is >= 1/V,
+                # so its log is well conditioned: lse = m - log p_m.
+                max_C, argmax_C = logits_CV.max(dim=-1)
+                probs_CV = torch.softmax(logits_CV, dim=-1, dtype=torch.float32)
+                p_max_C = probs_CV.gather(1, argmax_C[:, None]).squeeze(1)
+                lse_C = max_C.float() - p_max_C.log()  # [C]
+            else:
+                lse_C = torch.logsumexp(logits_CV.float(), dim=-1)  # [C]
+            target_logit_C = logits_CV.gather(1, target_C[:, None]).squeeze(1).float()  # [C]
             token_loss_C = lse_C - target_logit_C
             if z_loss_weight:
                 token_loss_C = token_loss_C + z_loss_weight * lse_C.square()
             loss_sum += torch.where(valid_C, token_loss_C, 0.0).sum()
-            if not (need_hidden_grad or need_weight_grad):
+            if not need_grads:
                 continue
-            # d(lse - logit_y)/d logits = softmax - onehot(y); zero for ignored rows.
-            grad_logits_CV = torch.exp(logits_CV - lse_C[:, None])  # [C, V]
-            if z_loss_weight:  # d(z·lse²)/d logits = 2z·lse·softmax
-                grad_logits_CV *= (1.0 + 2.0 * z_loss_weight * lse_C)[:, None]
-            grad_logits_CV[torch.arange(stop - start, device=h_CD.device), target_C] -= 1.0
-            grad_logits_CV *= valid_C[:, None]
-            grad_logits_CV = grad_logits_CV.to(hidden_TD.dtype)
+            # d(lse - logit_y + z·lse²)/d logits = s·softmax - onehot(y), s = 1 + 2z·lse;
+            # zero for ignored rows. One pass scales the probabilities and rounds them into
+            # the logits' own buffer; the C target entries are then set from fp32 (before:
+            # an fp32 copy of the logits, exp, a subtraction, two products and a cast, each
+            # a pass over [C, V]).
+            scale_C = valid_C.float()
+            if z_loss_weight:
+                scale_C = scale_C * (1.0 + 2.0 * z_loss_weight * lse_C)
+            rows_C = torch.arange(stop - start, device=h_CD.device)
+            p_target_C = probs_CV[rows_C, target_C]
+            grad_logits_CV = torch.mul(probs_CV, scale_C[:, None], out=logits_CV)
+            del probs_CV
+            grad_logits_CV[rows_C, target_C] = (scale_C * p_target_C - valid_C.float()).to(
+                grad_logits_CV.dtype
+            )
             if need_hidden_grad:
                 grad_hidden_TD[start:stop] = grad_logits_CV @ weight_VD  # [C, D]
             if need_weight_grad:
