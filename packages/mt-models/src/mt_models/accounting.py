@@ -4,7 +4,9 @@ A matmul weight is a ``weight`` of two or more dims other than the embedding tab
 experts' 2-D ``bias`` [E, O] is not one); it
 costs 2 FLOPs per element per token in the forward when active. Experts are active K of
 E times per token; everything else always. Attention scores add each layer's
-``self_attn.score_flops_per_token(S)``. Training is 3 × forward.
+``self_attn.score_flops_per_token(S)``. Training is 3 × forward. Experts are counted over
+the router's E, so a model under expert parallelism (each rank holding E/ep experts)
+counts as the whole model.
 """
 
 from dataclasses import dataclass
@@ -46,7 +48,7 @@ class FlopsAndParams:
         Returns:
             The counts.
         """
-        total = sum(p.numel() for p in model.parameters())
+        total = sum(p.numel() for p in model.parameters())  # + other ranks' experts below
         inactive = 0.0
         matmul = float(model.output_weight.numel())  # head (the embedding when tied)
         attention = 0.0
@@ -55,10 +57,14 @@ class FlopsAndParams:
             attention += layer.self_attn.score_flops_per_token(seq_len)
             mlp = layer.mlp
             if isinstance(mlp, MoEBlock):
-                experts = mlp.experts
-                active_share = mlp.topk_router.topk / experts.num_experts
-                inactive += sum(p.numel() for p in experts.parameters()) * (1 - active_share)
-                matmul += _matmul_params(experts) * active_share
+                # Per expert, counted over the router's E experts: under expert parallelism
+                # this rank's module holds only e = E/ep of them.
+                experts, router = mlp.experts, mlp.topk_router
+                held = experts.num_experts
+                per_expert = sum(p.numel() for p in experts.parameters()) / held
+                total += round(per_expert * (router.num_experts - held))
+                inactive += per_expert * (router.num_experts - router.topk)
+                matmul += _matmul_params(experts) / held * router.topk
                 matmul += mlp.topk_router.weight.numel()
                 if mlp.shared_experts is not None:
                     matmul += _matmul_params(mlp.shared_experts)

@@ -1,0 +1,24 @@
+"""A model cut to one EP rank's experts still counts as the whole model."""
+
+import pytest
+
+from mt_models import build_model, deepseek_v2, gpt_oss, qwen3_moe
+from mt_models.accounting import FlopsAndParams
+from mt_models.layers.experts import MoEBlock
+from mt_parallel.expert_parallel import _slice_experts
+
+
+@pytest.mark.parametrize("family", [qwen3_moe, deepseek_v2, gpt_oss])
+@pytest.mark.parametrize("ep", [2, 4])
+def test_flops_and_parameter_counts_of_one_ep_rank_equal_the_whole_models(family, ep):
+    whole = build_model(family.debug())
+    sliced = build_model(family.debug())
+    for layer in sliced.model.layers:
+        if isinstance(layer.mlp, MoEBlock):
+            local = layer.mlp.experts.num_experts // ep
+            _slice_experts(layer.mlp.experts, local, local)  # EP rank 1's experts
+    expected, got = FlopsAndParams.of(whole, 64), FlopsAndParams.of(sliced, 64)
+    assert sum(p.numel() for p in sliced.parameters()) < expected.total_params
+    assert (got.total_params, got.active_params) == (expected.total_params, expected.active_params)
+    assert got.forward_matmul_flops == pytest.approx(expected.forward_matmul_flops, rel=1e-12)
+    assert got.forward_attention_flops == expected.forward_attention_flops
