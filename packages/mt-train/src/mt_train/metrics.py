@@ -2,7 +2,9 @@
 optionally TensorBoard (``mt-train[tensorboard]``) and Weights & Biases (``mt-train[wandb]``).
 
 Peak FLOP/s used for MFU: the measured dense BF16 matmul rate of an H200 (794 TFLOP/s,
-ARCHITECTURE.md §8) and the vendor's spec (989 TFLOP/s); no MFU is reported on CPU.
+ARCHITECTURE.md §8) and the vendor's spec (989 TFLOP/s for the SXM parts H100 and H200);
+the PCIe and NVL parts have lower specs and no measured rate here (``mfu`` is then left
+out, ``mfu_spec`` kept). No MFU is reported on CPU.
 """
 
 from __future__ import annotations
@@ -14,16 +16,23 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-MEASURED_PEAK_FLOPS = {"H200": 794e12, "H100": 794e12}
-SPEC_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12}
+# Device-name part → (measured, spec) dense BF16 FLOP/s; the first match wins, so the
+# PCIe and NVL parts come before the SXM names they contain.
+PEAK_FLOPS = {
+    "H100 PCIe": (None, 756e12),
+    "H100 NVL": (None, 835e12),
+    "H200 NVL": (None, 835e12),
+    "H200": (794e12, 989e12),
+    "H100": (794e12, 989e12),
+}
 _BAR_WIDTH = 20
 
 
 def peak_flops(device_name: str) -> tuple[float | None, float | None]:
     """Returns (measured, spec) dense BF16 peak FLOP/s for a device name, or Nones."""
-    for key in MEASURED_PEAK_FLOPS:
+    for key, peaks in PEAK_FLOPS.items():
         if key in device_name:
-            return MEASURED_PEAK_FLOPS[key], SPEC_PEAK_FLOPS[key]
+            return peaks
     return None, None
 
 
