@@ -313,6 +313,8 @@ def _write_json_atomic(path: Path, data: Any) -> None:
 
 
 def _peak_memory_gb(device: torch.device) -> float:
+    """The step's peak CUDA memory allocated (stats reset as the step starts), or on CPU
+    the process's largest resident size so far."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
@@ -369,6 +371,8 @@ def train_step(state: TrainState, microbatches: list[MicroBatch]) -> dict[str, A
         The step's metrics (global values, equal on every rank).
     """
     cfg = state.cfg
+    if state.device.type == "cuda":  # peak_memory_gb is this step's (validation's apart)
+        torch.cuda.reset_peak_memory_stats(state.device)
     start = time.perf_counter()
     step = state.step + 1
     lr = lr_at(step, cfg.training)
