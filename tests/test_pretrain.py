@@ -206,3 +206,20 @@ def test_a_warmup_as_long_as_the_run_warns_at_setup(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="mt_train"):
         setup(_cfg(tmp_path / "long", "training.max_steps=16"))
     assert "warmup_steps" not in caplog.text
+
+
+@pytest.mark.parametrize(("key", "what"), [("vocab_size", "vocabulary size"), ("eos_id", "EOS id")])
+def test_a_validation_corpus_of_another_tokenizer_is_refused_before_the_model_is_built(
+    tmp_path, monkeypatch, key, what
+):
+    import mt_train.train as train_module
+
+    heldout = tmp_path / "heldout"
+    shutil.copytree(default_corpus_dir(), heldout)
+    manifest = json.loads((heldout / "manifest.json").read_text())
+    manifest[key] += 1
+    (heldout / "manifest.json").write_text(json.dumps(manifest))
+    monkeypatch.setattr(train_module, "build_model", None)  # must not be reached
+    cfg = _cfg(tmp_path / "run", f"validation.path={heldout}", "validation.interval=5")
+    with pytest.raises(ValueError, match=f"validation.path: .* has {what} {manifest[key]} but"):
+        train_module.setup(cfg)

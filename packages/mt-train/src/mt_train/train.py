@@ -154,6 +154,13 @@ def setup(cfg: JobConfig) -> TrainState:
             f"model.vocab_size is {cfg.model.vocab_size}; set model.vocab_size>="
             f"{dataset.vocab_size}"
         )
+    val_dataset = None
+    if cfg.validation.enabled:  # checked before the model is built
+        try:
+            val_dataset = TokenDataset(cfg.validation.path, cfg.data.seq_len, seed=cfg.seed)
+        except ValueError as e:
+            raise ValueError(f"validation.path: {e}") from None
+        _check_same_tokenization(dataset, data_dir, val_dataset, cfg.validation.path)
     with torch.device("meta"):
         model = build_model(cfg.model)
     # FP8 modules replace the linears before FSDP2 wraps them (it records the modules that
@@ -174,12 +181,6 @@ def setup(cfg: JobConfig) -> TrainState:
         model.to_empty(device=env.device)
         model.init_weights(cfg.seed)
     optimizer = build_optimizer(model, cfg.training)
-    val_dataset = None
-    if cfg.validation.enabled:
-        try:
-            val_dataset = TokenDataset(cfg.validation.path, cfg.data.seq_len, seed=cfg.seed)
-        except ValueError as e:
-            raise ValueError(f"validation.path: {e}") from None
     state = TrainState(
         cfg,
         model,
@@ -310,6 +311,21 @@ def _write_json_atomic(path: Path, data: Any) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(data, indent=2))
     os.replace(tmp, path)
+
+
+def _check_same_tokenization(train: TokenDataset, train_dir, val: TokenDataset, val_dir) -> None:
+    """Raises unless the validation corpus's manifest names the training corpus's
+    vocabulary size and EOS id (its loss would mean nothing otherwise)."""
+    for what, ours, theirs in (
+        ("vocabulary size", train.vocab_size, val.vocab_size),
+        ("EOS id", train.eos_id, val.eos_id),
+    ):
+        if ours is not None and theirs is not None and ours != theirs:
+            raise ValueError(
+                f"validation.path: the corpus in {val_dir} has {what} {theirs} but the "
+                f"training corpus in {train_dir} has {ours}; build the validation corpus "
+                "with the training corpus's tokenizer"
+            )
 
 
 def _peak_memory_gb(device: torch.device) -> float:
