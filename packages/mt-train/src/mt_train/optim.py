@@ -36,7 +36,9 @@ def lr_at(step: int, cfg: TrainingConfig) -> float:
     return min_lr + 0.5 * (cfg.lr - min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-def build_optimizer(model: nn.Module, cfg: TrainingConfig) -> torch.optim.AdamW:
+def build_optimizer(
+    model: nn.Module, cfg: TrainingConfig, *, fused: bool | None = None
+) -> torch.optim.AdamW:
     """Builds AdamW with weight decay on matrices only (not on norms, biases).
 
     A bias is named ``*.bias`` whatever its shape: GPT-OSS's expert biases are [E, O].
@@ -44,6 +46,8 @@ def build_optimizer(model: nn.Module, cfg: TrainingConfig) -> torch.optim.AdamW:
     Args:
         model: the model whose parameters to optimize.
         cfg: the training section of the run config.
+        fused: PyTorch's fused AdamW kernel (else its foreach path); None: fused when
+            every parameter is on CUDA.
 
     Returns:
         The optimizer; its state is created eagerly (`init_optimizer_state`) so a
@@ -61,10 +65,11 @@ def build_optimizer(model: nn.Module, cfg: TrainingConfig) -> torch.optim.AdamW:
     # On CUDA the fused kernel: one pass over each parameter's p, grad and moments. The
     # foreach path makes several (on the H200, Qwen3-30B-A3B cut to 4 layers: 66 ms of a
     # 567 ms step in 1199 kernels). The CPU keeps foreach.
-    on_cuda = all(p.device.type == "cuda" for group in groups for p in group["params"])
+    if fused is None:
+        fused = all(p.device.type == "cuda" for group in groups for p in group["params"])
     optimizer = torch.optim.AdamW(
         groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-        fused=on_cuda or None, foreach=not on_cuda or None,
+        fused=fused or None, foreach=not fused or None,
     )  # fmt: skip
     init_optimizer_state(optimizer)
     return optimizer
