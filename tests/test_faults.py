@@ -4,6 +4,7 @@ Each test plants its fault by monkeypatching the loop's own functions, so no fau
 injection knob reaches the user-facing config.
 """
 
+import errno
 import math
 import os
 import shutil
@@ -14,6 +15,7 @@ import sys
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 import mt_train.checkpoint as checkpoint_module
 import mt_train.train as train_module
@@ -137,6 +139,22 @@ def test_a_crash_in_the_middle_of_a_save_leaves_the_previous_checkpoint_resumabl
     assert resumed.step == 4 and len(resumed.losses) == 2
     assert _steps(tmp_path) == [2, 4]
     assert not list(root.glob(".tmp-*")), "a later save removes torn leftovers"
+
+
+def test_a_write_that_fails_inside_dcp_names_the_checkpoint_and_the_free_space(
+    tmp_path, monkeypatch
+):
+    # A real write failure (a full disk) reaches the loop wrapped in DCP's
+    # CheckpointException, a BaseException, not as the OSError the writer raised.
+    def full_disk(self, plan, planner):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", full_disk)
+    with pytest.raises(dcp.CheckpointException) as raised:
+        pretrain(_cfg(tmp_path, "training.max_steps=1"))
+    (note,) = raised.value.__notes__
+    assert str(checkpoint_root(tmp_path) / ".tmp-step_00000001") in note
+    assert "GB free there" in note
 
 
 def test_only_the_last_k_checkpoints_are_kept(tmp_path):

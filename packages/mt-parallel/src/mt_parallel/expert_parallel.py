@@ -9,8 +9,9 @@ dispatch (on the token's rank):
        (mt_ops.plan_dispatch with num_ranks). A token is
        sent once to each such rank, not once per expert (deduplication): N ≤ T·min(K, ep).
     2. all-to-all of the row counts (with the top-k choices each rank's rows carry for its
-       experts, so the receiver knows R: one host sync per dispatch), then of the rows,
-       with their top-k ids and weights.
+       experts, so the receiver knows R: one host sync per dispatch while K and ep are at
+       most 16; past that plan_dispatch runs its eager reference, whose range check and
+       bincount sync too), then of the rows, with their top-k ids and weights.
     3. On the expert rank: the received rows' choices of local experts are sorted by
        expert (mt_ops.plan_dispatch, choices of other ranks' experts go to a dropped
        bucket) and gathered into the grouped-GEMM layout.

@@ -133,10 +133,12 @@ def _keys_of_all_ranks(keys: set[str]) -> set[str]:
 @contextmanager
 def _naming_the_save(tmp: Path):
     """Adds to an error of a checkpoint write which checkpoint it was and the free disk
-    space (a full disk shows as torch's 'unexpected pos ...' from its zip writer)."""
+    space (a full disk shows as torch's 'unexpected pos ...' from its zip writer). DCP
+    wraps an error of its write step, even in one process, in its CheckpointException (a
+    BaseException), so that is the type a failed write reaches here as."""
     try:
         yield
-    except (OSError, RuntimeError) as err:
+    except (OSError, RuntimeError, dcp.CheckpointException) as err:
         try:
             free = f"{shutil.disk_usage(tmp.parent).free / 1e9:.1f} GB free there"
         except OSError:

@@ -376,7 +376,8 @@ def init_config_differences(source: Any, model_config: Any) -> dict[str, tuple[A
     computes another function than the source's model.
 
     Args:
-        source: the `init_from` source's model config (from `read_init_config`).
+        source: the `init_from` source's model config (from `init_from_weights` or
+            `read_init_config`).
         model_config: the run's model config.
 
     Returns:
