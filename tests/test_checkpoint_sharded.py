@@ -61,9 +61,9 @@ def _device() -> str:
     return f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
 
 
-def _model_and_optimizer(layout: dict[str, int] | None):
+def _model_and_optimizer(layout: dict[str, int] | None, config=None):
     with torch.device("meta"):
-        model = build_model(_config())
+        model = build_model(config or _config())
     if layout is None:
         model.to_empty(device=_device())
         model.init_weights(1)
@@ -131,6 +131,18 @@ def _round_trip(root: str) -> None:
             for key, value in got.items():
                 if key.startswith("model/"):
                     assert torch.equal(value, expected[key]), f"{source} {layout}: {key} differs"
+
+    # Twice the experts under ep = 2: rank 1's experts are missing from the checkpoint, rank
+    # 0's are there (only the router's shape differs). Every rank must raise the same error
+    # (the first rank's), none may wait alone in a collective.
+    more_experts = replace(_config(), num_experts=2 * _config().num_experts)
+    other, other_optimizer = _model_and_optimizer({"ep": 2}, more_experts)
+    try:
+        load_checkpoint(latest_checkpoint(root), other, other_optimizer)
+    except ValueError as err:
+        assert "mlp.gate.weight has shape (8, 32) but the model gives (16, 32)" in str(err)
+    else:
+        raise AssertionError("a checkpoint of half the experts loaded")
 
 
 @pytest.mark.parametrize(

@@ -120,14 +120,13 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _keys_of_all_ranks(keys: set[str]) -> set[str]:
-    """The union over ranks of `keys` (under expert parallelism each rank names only its
-    own experts; the model as a whole has them all)."""
+def _from_all_ranks(value: Any) -> list[Any]:
+    """Every rank's `value`, in rank order (just this one's without a process group)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return keys
+        return [value]
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, sorted(keys))
-    return set().union(*gathered)
+    dist.all_gather_object(gathered, value)
+    return gathered
 
 
 @contextmanager
@@ -343,6 +342,26 @@ def load_model_weights(path: str | Path, model: nn.Module) -> None:
     )
 
 
+def _mismatch(path: Path, tensors: dict[str, torch.Tensor], saved: dict, fix: str) -> str | None:
+    """The first of this rank's `tensors` the checkpoint lacks or holds in another shape,
+    as an error message; None when all match."""
+    missing = sorted(set(tensors) - set(saved))
+    if missing:
+        return (
+            f"checkpoint {path} lacks {len(missing)} tensor(s) the model needs, e.g. "
+            f"{missing[:3]}; {fix}"
+        )
+    for key, tensor in tensors.items():
+        shape = getattr(saved[key], "size", None)
+        checked = key.startswith(("model/", "optim/")) and shape is not None
+        if checked and tuple(shape) != tuple(tensor.shape):
+            return (
+                f"checkpoint {path}: {key} has shape {tuple(shape)} but the model gives "
+                f"{tuple(tensor.shape)}; {fix}"
+            )
+    return None
+
+
 def _check_and_load(path: Path, tensors: dict[str, torch.Tensor], fix: str) -> None:
     """Checks this rank's canonical `tensors` against the checkpoint's keys and shapes
     (a model tensor the checkpoint holds that no rank names is an error too), then loads
@@ -351,27 +370,21 @@ def _check_and_load(path: Path, tensors: dict[str, torch.Tensor], fix: str) -> N
     saved = metadata.state_dict_metadata
     if "rng/cuda" in tensors and "rng/cuda" not in saved:
         del tensors["rng/cuda"]
-    missing = sorted(set(tensors) - set(saved))
-    if missing:
-        raise ValueError(
-            f"checkpoint {path} lacks {len(missing)} tensor(s) the model needs, e.g. "
-            f"{missing[:3]}; {fix}"
-        )
-    model_keys = _keys_of_all_ranks({k for k in tensors if k.startswith("model/")})
-    extra = sorted(k for k in set(saved) - model_keys if k.startswith("model/"))
+    # Every rank's keys and first mismatch are gathered before anyone raises: under expert
+    # parallelism a mismatch can be in some ranks' experts only, and a rank raising alone
+    # would leave the others waiting in a collective. Each rank then raises the same error.
+    model_keys = {k for k in tensors if k.startswith("model/")}
+    gathered = _from_all_ranks((sorted(model_keys), _mismatch(path, tensors, saved, fix)))
+    errors = [error for _, error in gathered if error is not None]
+    if errors:
+        raise ValueError(errors[0])
+    all_model_keys = set().union(*(keys for keys, _ in gathered))
+    extra = sorted(k for k in set(saved) - all_model_keys if k.startswith("model/"))
     if extra:
         raise ValueError(
             f"checkpoint {path} holds {len(extra)} model tensor(s) this model lacks, e.g. "
             f"{extra[:3]}; {fix}"
         )
-    for key, tensor in tensors.items():
-        shape = getattr(saved[key], "size", None)
-        checked = key.startswith(("model/", "optim/")) and shape is not None
-        if checked and tuple(shape) != tuple(tensor.shape):
-            raise ValueError(
-                f"checkpoint {path}: {key} has shape {tuple(shape)} but the model gives "
-                f"{tuple(tensor.shape)}; {fix}"
-            )
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(tensors, checkpoint_id=path)
