@@ -4,12 +4,14 @@ For each layout, every rank computes the one-process reference of the same globa
 itself (the models are tiny), then the parallel run, and asserts: identical top-k
 routing, the step-1 loss and every parameter gradient (gathered, by canonical name)
 within 1e-5 relative, and the losses of five AdamW steps within 1e-5. One spawned
-group per world size runs all its layouts, so the suite pays process start-up twice.
+group per world size runs all its layouts, so the suite pays process start-up twice (and
+again for a seed whose routing hits a near-tie).
 """
 
 from dataclasses import replace
 
 import pytest
+from torch.multiprocessing import ProcessRaisedException
 
 from mt_models import deepseek_v2, gpt_oss, qwen3_moe
 from mt_parallel.testing import (
@@ -46,9 +48,23 @@ def _gpt_oss():
     )
 
 
+def _check_many_over_seeds(world_size, cases, **shapes):
+    """`check_many` on spawned ranks; a routing near-tie (a top-k choice that rounding can
+    flip, not a wrong result) moves on to the next seed, as tools/bench/multi_gpu.py does."""
+    first = shapes.pop("seed")
+    for seed in range(first, first + 3):
+        try:
+            spawn(check_many, world_size, cases, seed=seed, **shapes)
+            return
+        except ProcessRaisedException as err:
+            if "RoutingNearTie" not in str(err):
+                raise
+    pytest.fail(f"routing near-ties at seeds {first}..{first + 2}: likely a real difference")
+
+
 def test_layouts_of_two_ranks_match_one_process():
-    spawn(
-        check_many, 2,
+    _check_many_over_seeds(
+        2,
         [
             (_qwen3(), [{"dp": 2}, {"ep": 2}, {"cp": 2}, {"dp": 2, "grad_reduce": "step"}]),
             (_deepseek(), [{"ep": 2}, {"cp": 2}]),
@@ -59,8 +75,8 @@ def test_layouts_of_two_ranks_match_one_process():
 
 
 def test_layouts_of_four_ranks_match_one_process():
-    spawn(
-        check_many, 4,
+    _check_many_over_seeds(
+        4,
         [
             (_qwen3(), [{"dp": 2, "ep": 2}, {"cp": 2, "ep": 2}]),
             (_deepseek(), [{"dp": 2, "cp": 2}]),
