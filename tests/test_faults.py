@@ -41,8 +41,8 @@ def test_a_signal_saves_at_the_next_step_boundary_and_a_rerun_resumes_there(
 ):
     real_train_step = train_module.train_step
 
-    def train_step_then_signal(state, microbatches):
-        out = real_train_step(state, microbatches)
+    def train_step_then_signal(state, microbatches, *args):
+        out = real_train_step(state, microbatches, *args)
         if state.step == 3:
             os.kill(os.getpid(), signum)  # arrives mid-run, as from a scheduler
         return out
@@ -314,10 +314,10 @@ def test_an_async_checkpoint_completes_once_written_not_at_the_next_save(tmp_pat
     monkeypatch.setattr(checkpoint_module.AsyncCheckpointer, "written", written_by_now)
     real_step = train_module.train_step
 
-    def crash_at_step_4(state, microbatches):
+    def crash_at_step_4(state, microbatches, *args):
         if state.step == 3:
             raise RuntimeError("node lost")
-        return real_step(state, microbatches)
+        return real_step(state, microbatches, *args)
 
     monkeypatch.setattr(train_module, "train_step", crash_at_step_4)
     cfg = _cfg(tmp_path, "training.max_steps=6", "checkpoint.interval=2",

@@ -223,3 +223,23 @@ def test_a_validation_corpus_of_another_tokenizer_is_refused_before_the_model_is
     cfg = _cfg(tmp_path / "run", f"validation.path={heldout}", "validation.interval=5")
     with pytest.raises(ValueError, match=f"validation.path: .* has {what} {manifest[key]} but"):
         train_module.setup(cfg)
+
+
+def test_data_loading_time_counts_in_the_step_time_and_is_reported(tmp_path, monkeypatch):
+    import time
+
+    import mt_train.train as train_module
+
+    real_next = train_module.next_microbatches
+
+    def slow_next(state, *args):
+        time.sleep(0.3)  # a slow data loader
+        return real_next(state, *args)
+
+    monkeypatch.setattr(train_module, "next_microbatches", slow_next)
+    cfg = _cfg(tmp_path, "training.max_steps=2")
+    pretrain(cfg)
+    tokens = cfg.training.global_batch_size * cfg.data.seq_len
+    for row in _metrics(tmp_path):
+        assert row["data_time_s"] >= 0.3 and row["step_time_s"] > row["data_time_s"]
+        assert row["tokens_per_s"] == pytest.approx(tokens / row["step_time_s"], rel=1e-9)

@@ -376,12 +376,16 @@ def next_microbatches(state: TrainState, dataset: TokenDataset | None = None) ->
     return microbatches
 
 
-def train_step(state: TrainState, microbatches: list[MicroBatch]) -> dict[str, Any]:
+def train_step(
+    state: TrainState, microbatches: list[MicroBatch], data_time_s: float = 0.0
+) -> dict[str, Any]:
     """Runs one optimizer step on this rank's micro-batches.
 
     Args:
         state: the loop state (advanced in place).
         microbatches: from `next_microbatches`.
+        data_time_s: how long reading them took; it counts in the step time and so in
+            tokens/s and MFU (as torchtitan counts it), and is reported as ``data_time_s``.
 
     Returns:
         The step's metrics (global values, equal on every rank).
@@ -425,7 +429,7 @@ def train_step(state: TrainState, microbatches: list[MicroBatch]) -> dict[str, A
         state.fp8_cache.invalidate()
     if state.device.type == "cuda":
         torch.cuda.synchronize(state.device)
-    elapsed = time.perf_counter() - start
+    elapsed = time.perf_counter() - start + data_time_s
     state.step = step
     state.losses.append(loss)
     num_tokens = cfg.training.global_batch_size * cfg.data.seq_len
@@ -447,6 +451,7 @@ def train_step(state: TrainState, microbatches: list[MicroBatch]) -> dict[str, A
         "mfu": flops / world / measured_peak if measured_peak else None,
         "mfu_spec": flops / world / spec_peak if spec_peak else None,
         "step_time_s": elapsed,
+        "data_time_s": data_time_s,
         "peak_memory_gb": _peak_memory_gb(state.device),
         "skipped_steps": state.skipped_steps,
     }
@@ -564,6 +569,7 @@ def pretrain(cfg: JobConfig, *, stream: TextIO | None = None) -> TrainState:
     try:
         with stop_on_signals(state):
             while state.step < max_steps and not state.stop_requested:
+                data_start = time.perf_counter()
                 try:
                     microbatches = next_microbatches(state)
                 except DataExhausted:
@@ -573,7 +579,8 @@ def pretrain(cfg: JobConfig, *, stream: TextIO | None = None) -> TrainState:
                     break
                 with profiler.step(state.step + 1):
                     try:
-                        step_metrics = train_step(state, microbatches)
+                        data_time_s = time.perf_counter() - data_start
+                        step_metrics = train_step(state, microbatches, data_time_s)
                     except NonFiniteError as err:
                         _finish_pending_save(writer)  # the last good state is complete
                         last = latest_checkpoint(checkpoint_root(cfg.run_dir))
