@@ -651,39 +651,18 @@ CHECKS = {
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("family", GPU_SHAPES)
-def test_plan_and_permutation_equal_references_on_other_shapes_on_gpu(family):
-    _check_plan_and_permutation(GPU_SHAPES[family], GPU)
+GPU_CASES = [
+    (check, family)
+    for check in CHECKS
+    for family in (CLAMPED_FAMILIES if check == "clamped_swiglu_experts" else GPU_SHAPES)
+]
 
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("family", GPU_SHAPES)
-def test_fp8_quantizers_are_bit_exact_on_other_shapes_on_gpu(family):
-    _check_fp8_quantizers(GPU_SHAPES[family], GPU)
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("family", GPU_SHAPES)
-def test_fp8_grouped_gemms_equal_emulation_on_other_shapes_on_gpu(family):
-    _check_fp8_grouped_gemms(GPU_SHAPES[family], GPU)
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("family", GPU_SHAPES)
-def test_fp8_expert_mlp_equals_unfused_and_tracks_bf16_on_other_shapes_on_gpu(family):
-    _check_fp8_expert_mlp(GPU_SHAPES[family], GPU)
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("family", CLAMPED_FAMILIES)
-def test_clamped_swiglu_experts_match_reference_and_fp8_tracks_bf16_on_gpu(family):
-    _check_clamped_swiglu_experts(GPU_SHAPES[family], GPU)
+@pytest.mark.parametrize(("check", "family"), GPU_CASES)
+def test_checks_hold_on_other_shapes_on_gpu(check, family):
+    CHECKS[check](GPU_SHAPES[family], GPU)
 
 
 # --- the same bodies on CPU (the odd shape) -----------------------------------------------
