@@ -256,11 +256,7 @@ def _check_against_model(
         hub_tensors: Hub key → ``_HubTensor`` (a tied ``lm_head.weight`` already dropped).
         targets: The model's canonical key → parameter (meta is fine).
     """
-    shapes = {}
-    for hub_tensor in hub_tensors.values():
-        meta = torch.empty(hub_tensor.shape, device="meta")
-        for key, tensor in hub_to_canonical(family, {hub_tensor.key: meta}).items():
-            shapes[key] = tuple(tensor.shape)
+    shapes = _canonical_shapes(family, hub_tensors)
     missing = sorted(set(targets) - set(shapes))
     unexpected = sorted(set(shapes) - set(targets))
     if missing or unexpected:
@@ -292,9 +288,19 @@ def _copy_hub_tensor(family: str, key: str, tensor: Tensor, targets: dict[str, T
             copy_whole_into(targets[canonical_key], source)
 
 
-def _canonical_keys_of(family: str, hub_tensor: _HubTensor) -> list[str]:
+def _canonical_of(family: str, hub_tensor: _HubTensor) -> dict[str, Tensor]:
+    """``hub_to_canonical`` of a Hub tensor's shape (meta tensors: no data read)."""
     meta = torch.empty(hub_tensor.shape, device="meta")
-    return list(hub_to_canonical(family, {hub_tensor.key: meta}))
+    return hub_to_canonical(family, {hub_tensor.key: meta})
+
+
+def _canonical_shapes(family: str, hub_tensors: dict[str, _HubTensor]) -> dict[str, tuple]:
+    """Canonical key → shape of everything the Hub tensors map to."""
+    return {
+        key: tuple(tensor.shape)
+        for hub_tensor in hub_tensors.values()
+        for key, tensor in _canonical_of(family, hub_tensor).items()
+    }
 
 
 class _HubCheckpoint:
@@ -321,7 +327,7 @@ class _HubCheckpoint:
         """Reads, maps and copies one Hub tensor at a time (read as ``dtype``), skipping
         those that give no key of ``targets``."""
         for hub_tensor in self.hub_tensors.values():
-            if not any(k in targets for k in _canonical_keys_of(self.family, hub_tensor)):
+            if not any(k in targets for k in _canonical_of(self.family, hub_tensor)):
                 continue
             # Read inside the call, so it is freed before the next read.
             _copy_hub_tensor(
@@ -397,11 +403,7 @@ def load_hf_into(model: CausalLM, path: str | Path) -> Any:
             )
         with torch.device("meta"):
             whole = MODEL_FAMILIES[family][1](model.config)
-        shapes = {}
-        for hub_tensor in hub.hub_tensors.values():
-            meta = torch.empty(hub_tensor.shape, device="meta")
-            for key, tensor in hub_to_canonical(hub.family, {hub_tensor.key: meta}).items():
-                shapes[key] = tuple(tensor.shape)
+        shapes = _canonical_shapes(hub.family, hub.hub_tensors)
         expected = {k: tuple(v.shape) for k, v in whole.canonical_parameters().items()}
         missing = sorted(set(expected) - set(shapes))
         if missing:

@@ -65,6 +65,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         # which would cost two more matmuls per chunk and an fp32 [V, D] accumulator.
         need_hidden_grad = grad_enabled and ctx.needs_input_grad[0]
         need_weight_grad = grad_enabled and ctx.needs_input_grad[1]
+        need_grads = need_hidden_grad or need_weight_grad
         valid_T = labels_T != ignore_index  # [T]
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden_TD.device)
         grad_hidden_TD = torch.empty_like(hidden_TD) if need_hidden_grad else None
@@ -79,7 +80,6 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             valid_C = valid_T[start:stop]  # [C]
             target_C = torch.where(valid_C, labels_T[start:stop], 0)  # [C]
             logits_CV = h_CD @ weight_VD.T  # [C, V], the inputs' (or autocast's) dtype
-            need_grads = need_hidden_grad or need_weight_grad
             if need_grads:
                 # The softmax upcasts to fp32 in its own pass; lse comes from the largest
                 # logit m and its probability p_m = 1 / Σ exp(logits - m), which is >= 1/V,
