@@ -18,10 +18,16 @@ def _inputs(num_tokens, dim, vocab, dtype, ignore_every=5, seed=0):
     return hidden_TD, weight_VD, labels_T
 
 
-@pytest.fixture
-def small_chunks(monkeypatch):
-    """Forces 10-token chunks for V = 131 so the last chunk is ragged."""
+@pytest.fixture(params=["eager", "kernel"])
+def small_chunks(request, monkeypatch):
+    """Forces 10-token chunks for V = 131 so the last chunk is ragged; runs each test on
+    the eager row pass and on the Triton row kernel (interpreted on CPU, walking each row
+    in blocks of 32 logits so the last block is ragged too)."""
     monkeypatch.setattr(ce_module, "_CHUNK_LOGITS_ELEMENTS", 131 * 10)
+    if request.param == "kernel":
+        monkeypatch.setattr(ce_module, "_FORCE_KERNELS", True)
+        monkeypatch.setattr(ce_module, "_ROW_BLOCK", 32)
+    return request.param
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -150,3 +156,53 @@ def test_bf16_hidden_with_fp32_weight_under_autocast_matches_reference(
     assert_close(loss, ref_loss, torch.bfloat16, "loss")
     assert_close(g_h.float(), ref_g_h.float(), torch.bfloat16, "grad hidden")
     assert_close(g_w, ref_g_w, torch.bfloat16, "grad weight")
+
+
+def test_row_kernel_is_stable_for_large_logits_and_flags_labels_out_of_range(monkeypatch):
+    # Logits of ±3e4 overflow exp() without the running max; a label >= V must not read
+    # another row's logits silently (the op's gather would raise on CPU, the kernel cannot).
+    monkeypatch.setattr(ce_module, "_ROW_BLOCK", 32)
+    gen = torch.Generator().manual_seed(3)
+    logits_CV = torch.randn(6, 131, generator=gen) * 3e4
+    labels_C = torch.randint(0, 131, (6,), generator=gen)
+    labels_C[1] = IGNORE
+    for z in (0.0, 1e-3):
+        expected = ce_module._xent_rows_eager(logits_CV.clone(), labels_C, IGNORE, z, False)
+        got_grad = logits_CV.clone()
+        got = ce_module._xent_rows_kernels(got_grad, labels_C, IGNORE, z, True)
+        eager_grad = logits_CV.clone()
+        ce_module._xent_rows_eager(eager_grad, labels_C, IGNORE, z, True)
+        assert torch.isfinite(got).all() and got[1] == 0
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-2)
+        torch.testing.assert_close(got_grad, eager_grad, rtol=1e-5, atol=1e-6)
+    labels_C[2] = 131
+    got = ce_module._xent_rows_kernels(logits_CV.clone(), labels_C, IGNORE, 0.0, False)
+    assert torch.isnan(got[2]) and torch.isfinite(got[[0, 3, 4, 5]]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("z_loss_weight", [0.0, 1e-4])
+def test_gpu_kernel_at_qwen3_vocabulary_matches_reference(z_loss_weight, assert_close):
+    # Real vocabulary (several chunks, 38 row blocks), bf16 activations and an fp32 head
+    # under autocast as in one-GPU training, and the bf16 head of FSDP2 training.
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    vocab, dim, num_tokens = 151_936, 256, 4000
+    hidden = torch.randn(num_tokens, dim, device="cuda", generator=gen).bfloat16()
+    weight = torch.randn(vocab, dim, device="cuda", generator=gen) * dim**-0.5
+    labels = torch.randint(0, vocab, (num_tokens,), device="cuda", generator=gen)
+    labels[::9] = IGNORE
+    for head, autocast in ((weight, True), (weight.bfloat16(), False)):
+        results = []
+        for fn in (linear_cross_entropy, linear_cross_entropy_reference):
+            h = hidden.clone().requires_grad_(True)
+            w = head.clone().requires_grad_(True)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                loss, count = fn(h, w, labels, z_loss_weight=z_loss_weight)
+            (loss / count).backward()
+            results.append((loss.detach(), h.grad, w.grad))
+        (loss, g_h, g_w), (ref_loss, ref_g_h, ref_g_w) = results
+        assert g_w.dtype == head.dtype
+        assert_close(loss, ref_loss, torch.float32, "loss")
+        assert_close(g_h.float(), ref_g_h.float(), torch.bfloat16, "grad hidden")
+        assert_close(g_w.float(), ref_g_w.float(), torch.bfloat16, "grad weight")

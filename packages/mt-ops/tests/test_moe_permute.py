@@ -209,6 +209,41 @@ def test_kept_rows_equal_the_full_permutation_cut_and_zero_padded():
     assert dropped_slots.any() and (grads[1][2][dropped_slots] == 0).all()
 
 
+def _autocast_permute_runs(device, perm_fns):
+    """fp32 tokens permuted under bf16 autocast: (routed rows, x grad) per function."""
+    topk_ids_TK, _ = _routing(23, 5, 3, seed=5)
+    plan = plan_dispatch(topk_ids_TK.to(device), 5)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(23, 1100, generator=gen).to(device)
+    grad_RD = torch.randn(69, 1100, generator=gen).bfloat16().to(device)
+    runs = []
+    for perm in perm_fns:
+        x_leaf = x.clone().requires_grad_(True)
+        with torch.autocast(device, dtype=torch.bfloat16):
+            routed = perm(x_leaf, plan)
+        routed.backward(grad_RD)
+        runs.append((routed, x_leaf.grad))
+    # Each token's gradient is the fp32 sum of its K bf16 row gradients.
+    expected_grad = torch.zeros(23, 1100, device=device)
+    expected_grad.index_add_(0, plan.sorted_token_ids_R, grad_RD.float())
+    return runs, x[plan.sorted_token_ids_R].bfloat16(), expected_grad
+
+
+def test_permute_under_autocast_moves_rows_in_the_autocast_dtype_and_sums_grads_in_fp32():
+    permute_kernel, _ = _kernel_functions_for_test()
+    runs, expected_rows, expected_grad = _autocast_permute_runs(
+        "cpu", [permute, permute_reference, permute_kernel]
+    )
+    for i, (routed, grad) in enumerate(runs):
+        assert routed.dtype == torch.bfloat16 and grad.dtype == torch.float32, i
+        # (the interpreter's cast to bf16 may round differently: checked on GPU)
+        tol = 1e-2 if i == 2 else 0.0
+        assert float((routed.float() - expected_rows.float()).norm()) <= tol * float(
+            expected_rows.float().norm()
+        ), i
+        torch.testing.assert_close(grad, expected_grad, rtol=1e-6, atol=1e-6)
+
+
 def test_kept_rows_are_checked():
     topk_ids_TK, weights_TK = _routing(4, 5, 2)
     plan = plan_dispatch(topk_ids_TK, 5)
@@ -243,3 +278,10 @@ def test_plan_permute_unpermute_kernels_on_gpu_equal_references(case):
     out2.backward(grad)
     assert float((y.grad.float() - y2.grad.float()).norm() / y2.grad.float().norm()) <= 1e-2
     assert float((w.grad - w2.grad).norm() / w2.grad.norm()) <= 1e-5
+    if num_ranks is None:  # once: fp32 tokens under autocast, against the reference
+        runs, expected_rows, expected_grad = _autocast_permute_runs(
+            "cuda", [permute, permute_reference]
+        )
+        for routed, grad in runs:
+            assert torch.equal(routed, expected_rows)
+            torch.testing.assert_close(grad, expected_grad, rtol=1e-6, atol=1e-6)

@@ -63,7 +63,9 @@ def _scatter_rows_kernel(
         v = tl.load(src_ptr + t * D + cols, mask=c_ok)
         v_KD = tl.broadcast_to(v[None, :], (BLOCK_K, BLOCK_D))
         tl.store(
-            dst_ptr + rows[:, None] * D + cols[None, :], v_KD, mask=k_ok[:, None] & c_ok[None, :]
+            dst_ptr + rows[:, None] * D + cols[None, :],
+            v_KD.to(dst_ptr.dtype.element_ty),
+            mask=k_ok[:, None] & c_ok[None, :],
         )
 
 
@@ -117,8 +119,8 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _scatter_rows(x_TD, plan, num_rows):
-    dst = torch.empty(num_rows, x_TD.shape[1], dtype=x_TD.dtype, device=x_TD.device)
+def _scatter_rows(x_TD, plan, num_rows, out_dtype=None):
+    dst = torch.empty(num_rows, x_TD.shape[1], dtype=out_dtype or x_TD.dtype, device=x_TD.device)
     launch(
         _scatter_rows_kernel, (plan.num_tokens,), x_TD, plan.row_of_slot_R, dst, x_TD.shape[1],
         plan.topk, num_rows, BLOCK_K=_pow2(plan.topk), BLOCK_D=PERMUTE_CONFIG["fwd_BLOCK_D"],
@@ -143,13 +145,13 @@ def _gather_sum(y_RD, plan, weights_TK=None, out_dtype=None):
 
 class _PermuteFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TD, plan, num_rows):
-        ctx.plan = plan
-        return _scatter_rows(x_TD, plan, num_rows)
+    def forward(ctx, x_TD, plan, num_rows, out_dtype):
+        ctx.plan, ctx.x_dtype = plan, x_TD.dtype
+        return _scatter_rows(x_TD, plan, num_rows, out_dtype)
 
     @staticmethod
     def backward(ctx, grad_RD):
-        return _gather_sum(grad_RD.contiguous(), ctx.plan), None, None
+        return _gather_sum(grad_RD.contiguous(), ctx.plan, out_dtype=ctx.x_dtype), None, None, None
 
 
 class _UnpermuteFn(torch.autograd.Function):
@@ -206,8 +208,20 @@ def _check_permute(x_TD: Tensor, plan: DispatchPlan) -> None:
         )
 
 
+def _routed_dtype(x_TD: Tensor) -> torch.dtype:
+    device_type = x_TD.device.type
+    if x_TD.is_floating_point() and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x_TD.dtype
+
+
 def permute(x_TD: Tensor, plan: DispatchPlan, *, num_rows: int | None = None) -> Tensor:
     """Put token rows into expert order (each token appears K times).
+
+    Under autocast the routed rows come out in the autocast dtype: they only feed the
+    experts' matmuls, which would each cast them, so fp32 tokens (one-GPU training) are
+    cast once while being moved, at half the bytes written. The gradient comes back in the
+    dtype of ``x_TD``, each token's K rows summed in fp32.
 
     Args:
         x_TD: Token activations [T, D].
@@ -217,19 +231,21 @@ def permute(x_TD: Tensor, plan: DispatchPlan, *, num_rows: int | None = None) ->
             all T·K. Dropped rows are never written.
 
     Returns:
-        Routed rows [R, D] (R = num_rows), expert e's rows consecutive, in expert order.
+        Routed rows [R, D] (R = num_rows), expert e's rows consecutive, in expert order,
+        in the dtype of ``x_TD`` (the autocast dtype under autocast).
     """
     _check_permute(x_TD, plan)
     num_rows = _num_rows(plan, num_rows)
     if not use_kernels(x_TD) or num_rows == 0:
         return permute_reference(x_TD, plan, num_rows=num_rows)
-    return _PermuteFn.apply(x_TD.contiguous(), plan, num_rows)
+    return _PermuteFn.apply(x_TD.contiguous(), plan, num_rows, _routed_dtype(x_TD))
 
 
 def permute_reference(x_TD: Tensor, plan: DispatchPlan, *, num_rows: int | None = None) -> Tensor:
     """Eager reference of :func:`permute`: ``index_select`` (same arguments and result)."""
     _check_permute(x_TD, plan)
-    return x_TD.index_select(0, plan.sorted_token_ids_R[: _num_rows(plan, num_rows)])  # [R, D]
+    rows_RD = x_TD.index_select(0, plan.sorted_token_ids_R[: _num_rows(plan, num_rows)])
+    return rows_RD.to(_routed_dtype(x_TD))  # [R, D]
 
 
 def _check_unpermute(y_RD: Tensor, plan: DispatchPlan, topk_weights_TK: Tensor, num_rows) -> int:
@@ -289,7 +305,7 @@ def _kernel_functions_for_test():
 
     def permute_kernel(x_TD, plan, *, num_rows=None):
         _check_permute(x_TD, plan)
-        return _PermuteFn.apply(x_TD, plan, _num_rows(plan, num_rows))
+        return _PermuteFn.apply(x_TD, plan, _num_rows(plan, num_rows), _routed_dtype(x_TD))
 
     def unpermute_kernel(y_RD, plan, topk_weights_TK, *, num_rows=None):
         _check_unpermute(y_RD, plan, topk_weights_TK, num_rows)
