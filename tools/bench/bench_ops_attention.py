@@ -11,6 +11,10 @@ GPT-OSS attention (64 query heads, 8 key/value heads, head dim 64, learned sinks
   CUDA) against SDPA with a boolean mask (``FLEX["masks"] = "none"``);
 - plain causal SDPA (Flash) with no sinks as the speed of light.
 
+And the rotary embedding of Qwen3-30B-A3B's queries and keys (4 × 4096 tokens, 32 query and
+4 key heads of 128): the fused ``apply_rope`` against ``apply_rope_reference`` (the eager
+ops it replaced), forward + backward, with GB/s against a device-to-device copy.
+
 Run: ``PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python3 tools/bench/bench_ops_attention.py``
 """
 
@@ -20,7 +24,7 @@ import importlib
 import torch
 from triton.testing import do_bench
 
-from mt_ops import attention
+from mt_ops import apply_rope, apply_rope_reference, attention
 
 # The module (the package exports the function under the same name): its FLEX switch.
 attention_module = importlib.import_module("mt_ops.attention")
@@ -82,11 +86,44 @@ def _measure(seq: int, kwargs: dict, flex: bool, masks: str = "auto") -> tuple[f
         torch.cuda.empty_cache()
 
 
+def rope() -> None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    batch, seq, head_dim = 4, 4096, 128
+    angles = torch.arange(seq, device="cuda")[:, None] * 1e6 ** (
+        -torch.arange(0, head_dim, 2, device="cuda") / head_dim
+    )
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    q, k = (
+        torch.randn(batch, seq, h, head_dim, device="cuda", generator=gen, dtype=torch.bfloat16)
+        for h in (32, 4)
+    )
+    grads = [torch.randn_like(q), torch.randn_like(k)]
+    leaves = [q.requires_grad_(True), k.requires_grad_(True)]
+
+    def step(fn):
+        for x, g in zip(leaves, grads, strict=True):
+            x.grad = None
+            fn(x, cos, sin).backward(g)
+
+    moved = 4 * sum(x.numel() * x.element_size() for x in leaves)  # fwd and bwd: read + write
+    copy_src = torch.empty(moved // 2, dtype=torch.uint8, device="cuda")
+    copy_dst = torch.empty_like(copy_src)
+    copy_ms = do_bench(lambda: copy_dst.copy_(copy_src))
+    ours, eager = do_bench(lambda: step(apply_rope)), do_bench(lambda: step(apply_rope_reference))
+    print(
+        f"RoPE q+k fwd+bwd {tuple(q.shape)}, {tuple(k.shape)}: fused {ours * 1e3:7.1f} us "
+        f"({moved / ours / 1e6:6.0f} GB/s, {copy_ms / ours:4.2f}x copy) | eager "
+        f"{eager * 1e3:7.1f} us | {eager / ours:4.1f}x faster"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--seqs", default="4096,8192", help="comma-separated sequence lengths")
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__)
+    rope()
     cases = (
         ("sinks, full causal", {"causal": True, "sinks": None}),
         (f"sinks, window {WINDOW}", {"causal": True, "sinks": None, "window": WINDOW}),

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from mt_ops import apply_rope, apply_rope_reference
+from mt_ops.rope import _kernel_function_for_test
 
 
 def _cos_sin(seq_len: int, head_dim: int, theta: float = 10000.0):
@@ -50,3 +51,56 @@ def test_apply_rope_rejects_cos_of_wrong_length():
     cos, sin, _ = _cos_sin(10, 8)
     with pytest.raises(ValueError, match="cos shape"):
         apply_rope(torch.randn(1, 11, 2, 8), cos.float(), sin.float())
+
+
+def test_apply_rope_rejects_batched_tables_of_another_batch():
+    cos, sin, _ = _cos_sin(11, 8)
+    with pytest.raises(ValueError, match="3 rows of positions but x has batch 2"):
+        apply_rope(
+            torch.randn(2, 11, 2, 8), cos.float().expand(3, 11, 8), sin.float().expand(3, 11, 8)
+        )
+
+
+@pytest.mark.parametrize("tables", ["shared", "batched"])
+def test_rope_kernel_matches_reference_in_interpreter(tables, assert_close, run_with_grads):
+    # 20 heads: two head blocks, the second ragged; head_dim 78: half 39 of a 64-wide block.
+    # x is a strided view (a split of a wider projection), as DeepSeek's q_rope is.
+    gen = torch.Generator().manual_seed(4)
+    wide = torch.randn(2, 9, 20, 100, generator=gen)
+    x = wide[..., 11:89]
+    cos, sin, _ = _cos_sin(9, 78)
+    cos, sin = cos.float(), sin.float()
+    if tables == "batched":  # per-sequence positions (packed documents, context parallelism)
+        shift = torch.tensor([0.0, 0.3])[:, None, None]
+        cos, sin = (cos[None] + shift).cos(), (sin[None] + shift).sin()
+    rope_kernel = _kernel_function_for_test()
+    out, grads = run_with_grads(lambda x: rope_kernel(x, cos, sin), [x])
+    ref_out, ref_grads = run_with_grads(lambda x: apply_rope_reference(x, cos, sin), [x])
+    assert out.shape == x.shape and out.is_contiguous()
+    assert_close(out, ref_out, torch.float32, "out")
+    assert_close(grads[0], ref_grads[0], torch.float32, "grad x")
+    # The backward takes a non-contiguous gradient too (attention's transposed one).
+    grad_BHSD = torch.randn(2, 20, 9, 78, generator=gen)
+    x_leaf = x.detach().clone().requires_grad_(True)
+    rope_kernel(x_leaf, cos, sin).backward(grad_BHSD.transpose(1, 2))
+    x_ref = x.detach().clone().requires_grad_(True)
+    apply_rope_reference(x_ref, cos, sin).backward(grad_BHSD.transpose(1, 2))
+    assert_close(x_leaf.grad, x_ref.grad, torch.float32, "grad x, strided")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shape", [(4, 4096, 32, 128), (2, 512, 16, 64), (1, 37, 3, 78)])
+def test_rope_kernel_on_gpu_matches_reference(shape, run_with_grads):
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(shape, generator=gen).bfloat16().cuda()
+    cos, sin, _ = _cos_sin(shape[1], shape[3])
+    cos, sin = cos.float().cuda(), sin.float().cuda()
+    out, grads = run_with_grads(lambda x: apply_rope(x, cos, sin), [x])
+    ref_out, ref_grads = run_with_grads(lambda x: apply_rope_reference(x, cos, sin), [x])
+    # Both compute in fp32 and round once to bf16; fused multiply-adds may move a rounding.
+    for got, want in ((out, ref_out), (grads[0], ref_grads[0])):
+        assert got.dtype == torch.bfloat16
+        differ = (got != want).float().mean().item()
+        assert differ < 1e-3, differ
+        torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=1e-6)
