@@ -47,6 +47,25 @@ def test_chunked_linear_cross_entropy_matches_reference_in_value_and_gradients(
         assert_close(g, rg, dtype, f"grad {name}")
 
 
+def test_labels_of_a_strided_view_give_the_loss_and_gradients_of_their_copy(
+    small_chunks, assert_close, run_with_grads
+):
+    # A column of a [T, 2] tensor (stride 2): the row kernel must not read labels as if
+    # they were contiguous.
+    hidden_TD, weight_VD, labels_T = _inputs(23, 16, 131, torch.float32)
+    strided_T = torch.stack([labels_T, (labels_T + 7) % 131], dim=1)[:, 0]
+    assert strided_T.stride() == (2,) and torch.equal(strided_T, labels_T)
+    loss, grads = run_with_grads(
+        lambda h, w: linear_cross_entropy(h, w, strided_T), [hidden_TD, weight_VD]
+    )
+    ref_loss, ref_grads = run_with_grads(
+        lambda h, w: linear_cross_entropy_reference(h, w, labels_T), [hidden_TD, weight_VD]
+    )
+    assert_close(loss, ref_loss, torch.float32, "loss")
+    for name, g, rg in zip(["hidden", "weight"], grads, ref_grads, strict=True):
+        assert_close(g, rg, torch.float32, f"grad {name}")
+
+
 def test_count_and_loss_exclude_ignored_labels(small_chunks):
     hidden_TD, weight_VD, labels_T = _inputs(47, 16, 131, torch.float64, ignore_every=3)
     loss, count = linear_cross_entropy(hidden_TD, weight_VD, labels_T)

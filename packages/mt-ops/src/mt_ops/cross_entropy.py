@@ -105,8 +105,9 @@ def _xent_rows_kernels(
     """Per-row fp32 losses [C]; with ``need_grads`` the logits become their gradient."""
     num_rows, vocab_size = logits_CV.shape
     loss_C = torch.empty(num_rows, dtype=torch.float32, device=logits_CV.device)
+    # The kernel reads label i at labels_ptr + i: a strided view (a column) is copied first.
     launch(
-        _xent_rows_kernel, (num_rows,), logits_CV, labels_C, loss_C, vocab_size,
+        _xent_rows_kernel, (num_rows,), logits_CV, labels_C.contiguous(), loss_C, vocab_size,
         logits_CV.stride(0), ignore_index, z_loss_weight, NEED_GRAD=need_grads,
         BLOCK_V=_ROW_BLOCK, num_warps=8,
     )  # fmt: skip
