@@ -144,6 +144,17 @@ def test_z_loss_adds_weighted_squared_logsumexp_of_valid_tokens(small_chunks):
     torch.testing.assert_close((with_z - plain).double(), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_linear_cross_entropy_traces_shapes_on_the_meta_device():
+    # The meta device has no autocast: asking whether autocast is on there must not raise.
+    hidden_TD = torch.empty(7, 16, device="meta", requires_grad=True)
+    weight_VD = torch.empty(131, 16, device="meta", requires_grad=True)
+    labels_T = torch.empty(7, dtype=torch.int64, device="meta")
+    loss, count = linear_cross_entropy(hidden_TD, weight_VD, labels_T)
+    loss.backward()
+    assert loss.shape == () and loss.device.type == "meta" and count.dtype == torch.int64
+    assert hidden_TD.grad.shape == (7, 16) and weight_VD.grad.shape == (131, 16)
+
+
 @pytest.mark.parametrize("fn", [linear_cross_entropy, linear_cross_entropy_reference])
 def test_hidden_of_another_dtype_than_weight_is_rejected_outside_autocast(fn):
     hidden_TD, weight_VD, labels_T = _inputs(6, 16, 131, torch.float32)

@@ -1,5 +1,7 @@
 """Routing plan and permutation. Legend: T tokens, D model dim, E experts, K top-k, R rows."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -242,6 +244,26 @@ def test_permute_under_autocast_moves_rows_in_the_autocast_dtype_and_sums_grads_
             expected_rows.float().norm()
         ), i
         torch.testing.assert_close(grad, expected_grad, rtol=1e-6, atol=1e-6)
+
+
+def test_permute_traces_shapes_on_the_meta_device():
+    # The meta device has no autocast: asking whether autocast is on there must not raise.
+    topk_ids_TK, _ = _routing(6, 5, 2)
+    plan = plan_dispatch(topk_ids_TK, 5)
+    meta_plan = dataclasses.replace(
+        plan,
+        **{
+            name: getattr(plan, name).to("meta")
+            for name in (
+                "tokens_per_expert_E",
+                "sorted_token_ids_R",
+                "sorted_slot_R",
+                "row_of_slot_R",
+            )
+        },
+    )
+    routed_RD = permute(torch.empty(6, 8, device="meta"), meta_plan)
+    assert routed_RD.shape == (12, 8) and routed_RD.device.type == "meta"
 
 
 def test_kept_rows_are_checked():

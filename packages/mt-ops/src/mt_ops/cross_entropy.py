@@ -201,7 +201,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             else None
         )
         device_type = hidden_TD.device.type
-        if torch.is_autocast_enabled(device_type):
+        # is_autocast_enabled raises for a device without autocast (meta).
+        if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
             # A custom Function runs under the caller's autocast: cast the head once here
             # instead of in each chunk's matmuls (twice per chunk with gradients).
             dtype = torch.get_autocast_dtype(device_type)

@@ -210,7 +210,12 @@ def _check_permute(x_TD: Tensor, plan: DispatchPlan) -> None:
 
 def _routed_dtype(x_TD: Tensor) -> torch.dtype:
     device_type = x_TD.device.type
-    if x_TD.is_floating_point() and torch.is_autocast_enabled(device_type):
+    # is_autocast_enabled raises for a device without autocast (meta).
+    if (
+        x_TD.is_floating_point()
+        and torch.amp.is_autocast_available(device_type)
+        and torch.is_autocast_enabled(device_type)
+    ):
         return torch.get_autocast_dtype(device_type)
     return x_TD.dtype
 
