@@ -43,9 +43,10 @@ from mt_ops._triton import launch, tl, triton, use_kernels
 
 __all__ = ["linear_cross_entropy", "linear_cross_entropy_reference"]
 
-# At most this many fp32 logits exist at once (2**28 × 4 B = 1 GiB); for V = 151,936 that
-# is 1766 tokens per chunk. 2**26 (441 tokens) ran 2.3x slower than eager on an H200
-# (T = 8192: 81.7 ms vs 35.6 ms, bench_ops_moe.py): the chunk's matmuls were too small.
+# At most this many logits exist at once, in the matmul's dtype (2**28 × 2 B = 512 MiB in
+# bf16; the CPU path adds their fp32 softmax, 1 GiB); for V = 151,936 that is 1766 tokens
+# per chunk. 2**26 (441 tokens) ran 2.3x slower than eager on an H200 with the eager row
+# pass (T = 8192: 81.7 ms vs 35.6 ms, bench_ops_moe.py): the chunk's matmuls were too small.
 _CHUNK_LOGITS_ELEMENTS = 2**28
 
 
