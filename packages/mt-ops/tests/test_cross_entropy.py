@@ -210,6 +210,41 @@ def test_row_kernel_is_stable_for_large_logits_and_flags_labels_out_of_range(mon
     assert torch.isnan(got[2]) and torch.isfinite(got[[0, 3, 4, 5]]).all()
 
 
+@pytest.mark.parametrize("vocab", [20, 32, 64])
+def test_row_kernel_matches_the_eager_rows_below_at_and_at_twice_the_block(vocab, monkeypatch):
+    # The GPU block is 4096 logits, so a small model's whole vocabulary is one ragged block.
+    monkeypatch.setattr(ce_module, "_ROW_BLOCK", 32)
+    gen = torch.Generator().manual_seed(4)
+    logits_CV = torch.randn(5, vocab, generator=gen) * 4
+    labels_C = torch.randint(0, vocab, (5,), generator=gen)
+    labels_C[3] = IGNORE
+    for z in (0.0, 1e-2):
+        eager_grad, kernel_grad = logits_CV.clone(), logits_CV.clone()
+        expected = ce_module._xent_rows_eager(eager_grad, labels_C, IGNORE, z, True)
+        got = ce_module._xent_rows_kernels(kernel_grad, labels_C, IGNORE, z, True)
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(kernel_grad, eager_grad, rtol=1e-5, atol=1e-7)
+        assert got[3] == 0 and (kernel_grad[3] == 0).all()
+        if not z:  # softmax - onehot: every row sums to zero (the ignored one is zero)
+            torch.testing.assert_close(kernel_grad.sum(-1), torch.zeros(5), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("grad_of", ["hidden", "weight"])
+def test_only_the_input_that_requires_grad_gets_a_gradient(grad_of, small_chunks, assert_close):
+    hidden_TD, weight_VD, labels_T = _inputs(23, 16, 131, torch.float32)
+    results = []
+    for fn in (linear_cross_entropy, linear_cross_entropy_reference):
+        h = hidden_TD.clone().requires_grad_(grad_of == "hidden")
+        w = weight_VD.clone().requires_grad_(grad_of == "weight")
+        loss, _ = fn(h, w, labels_T)
+        loss.backward()
+        results.append((h.grad, w.grad))
+    (g_h, g_w), (ref_g_h, ref_g_w) = results
+    got, ref, none = (g_h, ref_g_h, g_w) if grad_of == "hidden" else (g_w, ref_g_w, g_h)
+    assert none is None
+    assert_close(got, ref, torch.float32, f"grad {grad_of}")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("z_loss_weight", [0.0, 1e-4])
