@@ -25,7 +25,7 @@ def small_chunks(request, monkeypatch):
     in blocks of 32 logits so the last block is ragged too)."""
     monkeypatch.setattr(ce_module, "_CHUNK_LOGITS_ELEMENTS", 131 * 10)
     if request.param == "kernel":
-        monkeypatch.setattr(ce_module, "_FORCE_KERNELS", True)
+        monkeypatch.setattr(ce_module, "use_kernels", lambda *tensors: True)
         monkeypatch.setattr(ce_module, "_ROW_BLOCK", 32)
     return request.param
 
@@ -119,6 +119,8 @@ def test_no_grad_call_on_parameters_computes_no_gradients(small_chunks):
 def test_linear_cross_entropy_rejects_labels_of_wrong_length():
     with pytest.raises(ValueError, match="labels shape"):
         linear_cross_entropy(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(5, dtype=int))
+    with pytest.raises(ValueError, match="labels are on meta but hidden is on cpu"):
+        linear_cross_entropy(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, device="meta"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

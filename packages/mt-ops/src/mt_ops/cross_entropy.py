@@ -150,10 +150,6 @@ def _xent_rows_eager(
     return torch.where(valid_C, token_loss_C, 0.0)
 
 
-# Tests set this to run the kernel through Triton's interpreter on CPU tensors.
-_FORCE_KERNELS = False
-
-
 def _accumulate_weight_grad(grad_weight_VD: Tensor, grad_logits_CV: Tensor, h_CD: Tensor) -> None:
     """``grad_weight += grad_logitsᵀ @ h`` into the fp32 accumulator."""
     if grad_weight_VD.is_cuda and grad_logits_CV.dtype != grad_weight_VD.dtype:
@@ -162,6 +158,8 @@ def _accumulate_weight_grad(grad_weight_VD: Tensor, grad_logits_CV: Tensor, h_CD
         torch.addmm(
             grad_weight_VD, grad_logits_CV.T, h_CD, out_dtype=torch.float32, out=grad_weight_VD
         )
+    elif grad_logits_CV.dtype == grad_weight_VD.dtype:
+        grad_weight_VD.addmm_(grad_logits_CV.T, h_CD)  # fp32 training: no [V, D] temporary
     else:
         grad_weight_VD += (grad_logits_CV.T @ h_CD).float()
 
@@ -176,6 +174,11 @@ def _check(hidden_TD: Tensor, weight_VD: Tensor, labels_T: Tensor) -> None:
         raise ValueError(
             f"labels shape ({tuple(labels_T.shape)}) must be [T] = [{hidden_TD.shape[0]}]; "
             "pass one label per hidden row"
+        )
+    if labels_T.device != hidden_TD.device:
+        raise ValueError(
+            f"labels are on {labels_T.device} but hidden is on {hidden_TD.device}; move the "
+            "labels to the hidden states' device"
         )
     check_same_dtype(("weight", weight_VD), ("hidden", hidden_TD))
 
@@ -208,7 +211,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             # instead of in each chunk's matmuls (twice per chunk with gradients).
             dtype = torch.get_autocast_dtype(device_type)
             hidden_TD, weight_VD = hidden_TD.to(dtype), weight_VD.to(dtype)
-        rows = _xent_rows_kernels if _FORCE_KERNELS or use_kernels(hidden_TD) else _xent_rows_eager
+        rows = _xent_rows_kernels if use_kernels(hidden_TD) else _xent_rows_eager
         for start in range(0, num_tokens, chunk_tokens):
             stop = min(start + chunk_tokens, num_tokens)
             h_CD = hidden_TD[start:stop]  # [C, D]
