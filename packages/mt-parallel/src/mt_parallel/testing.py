@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from mt_models import build_model
 from mt_parallel.context_parallel import zigzag_positions
@@ -342,6 +343,34 @@ def check_routing_report_is_rank_independent(num_calls: int = 6) -> None:
     assert len(set(messages)) == 1, f"rank {rank}: messages differ by rank: {messages}"
     for r in range(world):
         assert f"{2 + r} on rank {r}" in message, f"rank {r} missing from: {message}"
+
+
+def check_clip_grad_norm_over_sharded_grads(max_norm: float = 1.0) -> None:
+    """`clip_grad_norm` over the world returns the norm of every gradient element, for a
+    DTensor gradient sharded over the ranks beside a bf16 gradient distinct per rank (as
+    an expert's is across ep), and scales each rank's part by max_norm / (total + 1e-6)
+    (a `spawn` target)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.randn(2 * world + 1, 5, generator=torch.Generator().manual_seed(0))
+    own = [
+        torch.randn(7, generator=torch.Generator().manual_seed(1 + r)).to(torch.bfloat16)
+        for r in range(world)
+    ]
+    sharded = nn.Parameter(distribute_tensor(torch.zeros_like(full), mesh, [Shard(0)]))
+    sharded.grad = distribute_tensor(full, mesh, [Shard(0)])
+    expert = nn.Parameter(torch.zeros(7, dtype=torch.bfloat16))
+    expert.grad = own[rank].clone()
+    local = sharded.grad.to_local().clone()
+
+    total = clip_grad_norm([sharded, expert], max_norm, dist.group.WORLD)
+
+    ref = torch.cat([full.flatten().double()] + [g.double() for g in own]).norm().item()
+    assert abs(total - ref) <= 1e-6 * ref, f"rank {rank}: {total=}, {ref=}"
+    assert total > max_norm, f"{total=}, {max_norm=}: nothing was clipped"
+    scale = max_norm / (total + 1e-6)
+    assert torch.equal(sharded.grad.to_local(), local.mul_(scale)), f"rank {rank}: shard"
+    assert torch.equal(expert.grad, own[rank].clone().mul_(scale)), f"rank {rank}: expert"
 
 
 def check_dispatch_with_idle_rank(num_experts: int = 4, topk: int = 2, dim: int = 8) -> None:
