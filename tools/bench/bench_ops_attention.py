@@ -15,6 +15,11 @@ And the rotary embedding of Qwen3-30B-A3B's queries and keys (4 × 4096 tokens, 
 4 key heads of 128): the fused ``apply_rope`` against ``apply_rope_reference`` (the eager
 ops it replaced), forward + backward, with GB/s against a device-to-device copy.
 
+And RMSNorm, forward + backward, with GB/s against a copy likewise: Qwen3's q_norm (the
+queries above, bf16, with an fp32 weight as under autocast) and a hidden-state norm
+(16384 tokens of 2048, fp32, and bf16 with a bf16 weight), the fused ``rms_norm`` against
+``rms_norm_reference`` and against the composition around ``F.rms_norm`` it replaced.
+
 Run: ``PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python3 tools/bench/bench_ops_attention.py``
 """
 
@@ -24,7 +29,8 @@ import importlib
 import torch
 from triton.testing import do_bench
 
-from mt_ops import apply_rope, apply_rope_reference, attention
+from mt_ops import apply_rope, apply_rope_reference, attention, rms_norm, rms_norm_reference
+from mt_ops.rms_norm import _rms_norm_eager
 
 # The module (the package exports the function under the same name): its FLEX switch.
 attention_module = importlib.import_module("mt_ops.attention")
@@ -118,12 +124,46 @@ def rope() -> None:
     )
 
 
+def _rmsnorm_case(label: str, shape: tuple[int, ...], x_dtype, w_dtype) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(shape, device="cuda", generator=gen, dtype=x_dtype).requires_grad_(True)
+    w = (1 + 0.1 * torch.randn(shape[-1], device="cuda", generator=gen)).to(w_dtype)
+    w.requires_grad_(True)
+    grad = torch.randn_like(x)
+
+    def step(fn):
+        x.grad = w.grad = None
+        fn(x, w, 1e-6).backward(grad)
+
+    moved = 5 * x.numel() * x.element_size()  # fwd: read x, write y; bwd: read x, g, write dx
+    copy_src = torch.empty(moved // 2, dtype=torch.uint8, device="cuda")
+    copy_dst = torch.empty_like(copy_src)
+    copy_ms = do_bench(lambda: copy_dst.copy_(copy_src))
+    ours, reference = do_bench(lambda: step(rms_norm)), do_bench(lambda: step(rms_norm_reference))
+    old = do_bench(lambda: step(_rms_norm_eager))
+    dtypes = f"{str(x_dtype)[6:]} x, {str(w_dtype)[6:]} weight"
+    print(
+        f"RMSNorm {label} fwd+bwd {shape}, {dtypes}: fused {ours * 1e3:7.1f} us "
+        f"({moved / ours / 1e6:6.0f} GB/s, {copy_ms / ours:4.2f}x copy) | reference "
+        f"{reference * 1e3:7.1f} us | F.rms_norm path {old * 1e3:7.1f} us | "
+        f"{old / ours:4.1f}x faster than it"
+    )
+
+
+def rmsnorm() -> None:
+    _rmsnorm_case("q_norm", (4, 4096, 32, 128), torch.bfloat16, torch.float32)
+    _rmsnorm_case("hidden", (16384, 2048), torch.float32, torch.float32)
+    _rmsnorm_case("hidden", (16384, 2048), torch.bfloat16, torch.bfloat16)
+    torch.cuda.empty_cache()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--seqs", default="4096,8192", help="comma-separated sequence lengths")
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__)
     rope()
+    rmsnorm()
     cases = (
         ("sinks, full causal", {"causal": True, "sinks": None}),
         (f"sinks, window {WINDOW}", {"causal": True, "sinks": None, "window": WINDOW}),

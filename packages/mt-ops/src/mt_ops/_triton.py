@@ -8,7 +8,9 @@ eager PyTorch (see the package docstring). The interpreter is faithful for integ
 arithmetic, loads, stores and fp8 -> fp32 conversion; it mis-rounds casts *to* fp8/bf16,
 so tests check those on GPU. Calls from a kernel to other ``@triton.jit`` functions
 (``tl.max`` is one) are routed to the interpreter for the duration of the launch only, and
-the patch is undone afterwards.
+the patch is undone afterwards. So are the interpreter's patches of ``triton.language``
+itself: Triton 3.6 leaves those of a device-function call in place, after which kernels
+no longer compile for CUDA in the same process.
 """
 
 from functools import cache
@@ -56,19 +58,42 @@ def _patch_tensor_index(original):
     return patched
 
 
+_MISSING = object()
+
+
 def _run_interpreted(kernel, grid, args, kwargs) -> None:
     jit_cls = type(kernel)
     saved_call = jit_cls.__call__
     saved_patch = interpreter._patch_lang_tensor
+    scope_cls = interpreter._LangPatchScope
+    saved_set_attr = scope_cls.set_attr
+    # Every attribute the interpreter patches, with the object's own value before the launch
+    # (_MISSING where it was inherited or absent). A launch restores its own patches, but a
+    # device-function call (InterpretedFunction.__call__) patches triton.language again and
+    # never restores: tl.core stays patched and the next CUDA compile fails ("'ir.value'
+    # object has no attribute 'dtype'").
+    originals = {}
+
+    def set_attr(scope, obj, name, value):
+        originals.setdefault((id(obj), name), (obj, name, vars(obj).get(name, _MISSING)))
+        saved_set_attr(scope, obj, name, value)
+
     # Device-function calls inside the interpreted kernel go through JITFunction.__call__,
     # which refuses outside a compiled kernel; route them to the interpreter meanwhile.
     jit_cls.__call__ = lambda self, *a, **k: _interpreted(self.fn)(*a, **k)
     interpreter._patch_lang_tensor = _patch_tensor_index(saved_patch)
+    scope_cls.set_attr = set_attr
     try:
         _interpreted(kernel.fn)[grid](*args, **kwargs)
     finally:
         jit_cls.__call__ = saved_call
         interpreter._patch_lang_tensor = saved_patch
+        scope_cls.set_attr = saved_set_attr
+        for obj, name, value in originals.values():
+            if value is not _MISSING:
+                setattr(obj, name, value)
+            elif name in vars(obj):
+                delattr(obj, name)
 
 
 def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
