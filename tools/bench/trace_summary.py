@@ -14,6 +14,8 @@ Usage (the summary needs no GPU):
 Measured with it on one H200 (Qwen3-30B-A3B cut to 4 layers, sequence 4096, 8 sequences
 in micro-batches of 4, BF16): a 567 ms step with the GPU busy 97%, AdamW's foreach
 kernels 66 ms of it (1199 kernels; 25.5 ms once fused), the experts' grouped GEMMs 52 ms.
+With the cross-entropy row kernel, the fused RoPE and RMSNorm and the foreach gradient
+norm the same step's window was 331 ms, GPU busy 92% (35 gaps of 200 us or more, 13 ms).
 """
 
 from __future__ import annotations
