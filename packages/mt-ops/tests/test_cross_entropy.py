@@ -273,3 +273,11 @@ def test_gpu_kernel_at_qwen3_vocabulary_matches_reference(z_loss_weight, assert_
         assert_close(loss, ref_loss, torch.float32, "loss")
         assert_close(g_h.float(), ref_g_h.float(), torch.bfloat16, "grad hidden")
         assert_close(g_w.float(), ref_g_w.float(), torch.bfloat16, "grad weight")
+
+
+def test_int32_labels_give_the_int64_result_in_op_and_reference(small_chunks):
+    hidden_TD, weight_VD, labels_T = _inputs(23, 16, 131, torch.float32)
+    for fn in (linear_cross_entropy, linear_cross_entropy_reference):
+        got, count = fn(hidden_TD, weight_VD, labels_T.int())
+        want, want_count = fn(hidden_TD, weight_VD, labels_T)
+        assert torch.equal(got, want) and int(count) == int(want_count)

@@ -297,7 +297,9 @@ def linear_cross_entropy_reference(
     """
     _check(hidden_TD, weight_VD, labels_T)
     logits_TV = (hidden_TD @ weight_VD.T).float()  # [T, V]
-    loss_sum = F.cross_entropy(logits_TV, labels_T, ignore_index=ignore_index, reduction="sum")
+    loss_sum = F.cross_entropy(  # F.cross_entropy takes int64 labels only; the op any int
+        logits_TV, labels_T.long(), ignore_index=ignore_index, reduction="sum"
+    )
     valid_T = labels_T != ignore_index
     if z_loss_weight:
         lse_T = torch.logsumexp(logits_TV, dim=-1)
