@@ -133,6 +133,7 @@ GPU_CASES = [
     ((4, 4096, 32, 128), torch.bfloat16, torch.float32),  # Qwen3 q_norm under autocast
     ((16384, 2048), torch.float32, torch.float32),  # a hidden-state norm
     ((3, 37, 77), torch.bfloat16, torch.bfloat16),  # ragged rows and D, a bf16 model
+    ((300, 12000), torch.bfloat16, torch.float32),  # rows past one block: walked in blocks
 ]
 
 

@@ -91,6 +91,21 @@ def _rms_norm_fwd_kernel(
 
 
 @triton.jit
+def _bwd_block(
+    x_ptr, grad_ptr, w_ptr, rows64, rows_ok, start, cols, dim, x_row_stride, grad_row_stride
+):  # fmt: skip
+    """Columns [start, start + BLOCK_D) of the rows: x (its dtype), g and w (fp32), masks
+    and offsets."""
+    cols_ok = start + cols < dim
+    ok = rows_ok[:, None] & cols_ok[None, :]
+    offs = start + cols[None, :]
+    x = tl.load(x_ptr + rows64 * x_row_stride + offs, mask=ok, other=0.0)
+    g = tl.load(grad_ptr + rows64 * grad_row_stride + offs, mask=ok, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + start + cols, mask=cols_ok, other=0.0).to(tl.float32)
+    return x, g, w, cols_ok, ok, offs
+
+
+@triton.jit
 def _rms_norm_bwd_kernel(
     grad_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, num_rows, dim, grad_row_stride,
     x_row_stride,
@@ -138,28 +153,23 @@ def _rms_norm_bwd_kernel(
             if NEED_DX:
                 sum_gwn = tl.zeros([BLOCK_ROWS, BLOCK_D], tl.float32)
                 for start in range(0, dim, BLOCK_D):
-                    cols_ok = start + cols < dim
-                    ok = rows_ok[:, None] & cols_ok[None, :]
-                    offs = start + cols[None, :]
-                    x = tl.load(x_ptr + rows64 * x_row_stride + offs, mask=ok, other=0.0)
-                    g = tl.load(grad_ptr + rows64 * grad_row_stride + offs, mask=ok, other=0.0)
-                    w = tl.load(w_ptr + start + cols, mask=cols_ok, other=0.0).to(tl.float32)
-                    sum_gwn += g.to(tl.float32) * w[None, :] * (x.to(tl.float32) * rstd)
+                    x, g, w, _, _, _ = _bwd_block(
+                        x_ptr, grad_ptr, w_ptr, rows64, rows_ok, start, cols, dim,
+                        x_row_stride, grad_row_stride,
+                    )  # fmt: skip
+                    sum_gwn += g * w[None, :] * (x.to(tl.float32) * rstd)
                 mean_gwn = tl.sum(sum_gwn, axis=1)[:, None] / dim
             for start in range(0, dim, BLOCK_D):
-                cols_ok = start + cols < dim
-                ok = rows_ok[:, None] & cols_ok[None, :]
-                offs = start + cols[None, :]
-                x = tl.load(x_ptr + rows64 * x_row_stride + offs, mask=ok, other=0.0)
-                g = tl.load(grad_ptr + rows64 * grad_row_stride + offs, mask=ok, other=0.0)
-                g = g.to(tl.float32)
+                x, g, w, cols_ok, ok, offs = _bwd_block(
+                    x_ptr, grad_ptr, w_ptr, rows64, rows_ok, start, cols, dim, x_row_stride,
+                    grad_row_stride,
+                )  # fmt: skip
                 n = x.to(tl.float32) * rstd
                 if NEED_DW:
                     dw = tl.sum(g * n.to(x_ptr.dtype.element_ty).to(tl.float32), axis=0)
                     acc = tl.load(partial + start + cols, mask=cols_ok, other=0.0)
                     tl.store(partial + start + cols, acc + dw, mask=cols_ok)
                 if NEED_DX:
-                    w = tl.load(w_ptr + start + cols, mask=cols_ok, other=0.0).to(tl.float32)
                     gw = g * w[None, :]
                     dx = rstd * (gw - n * mean_gwn)
                     tl.store(dx_ptr + rows64 * dim + offs, dx.to(dx_ptr.dtype.element_ty),
