@@ -56,6 +56,9 @@ def test_bad_values_fail_validation_with_the_rule():
                       ("seed=-1", r"^seed \(-1\) must be >= 0")):  # fmt: skip
         with pytest.raises(ValueError, match=rule):
             resolve_config(get_recipe("debug"), overrides=[bad])
+    with pytest.raises(ValueError, match=r"data.document_masking needs parallel.cp=1 \(got 2\)"):
+        overrides = ["data.document_masking=true", "parallel.cp=2"]
+        resolve_config(get_recipe("debug"), overrides=overrides)
 
 
 def test_toml_file_adjusts_the_recipe_and_command_line_wins(tmp_path):

@@ -30,8 +30,10 @@ GRAD_REDUCE = ("microbatch", "step")
 class MicroBatch:
     """Input ids and labels of one micro-batch, both [B, S], and optional positions.
 
-    `positions` ([S], int64) are the global token positions when the sequence is a
-    context-parallel slice; None means 0..S-1.
+    `positions` (int64) are the global token positions [S] when the sequence is a
+    context-parallel slice, or per-document positions [B, S] of packed samples (document
+    masking: a position that is not its predecessor plus 1 starts a document); None means
+    0..S-1, one document per sample.
     """
 
     input_ids: torch.Tensor

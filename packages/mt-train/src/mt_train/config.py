@@ -27,11 +27,19 @@ class DataConfig:
         seq_len: tokens per training sequence.
         on_exhausted: "repeat" starts a new epoch with a new shuffle, "stop" ends
             the run when the data runs out.
+        document_masking: attention stays inside each document of a packed sample and
+            positions (RoPE) restart at each document's first token, as Megatron's
+            `--reset-position-ids --reset-attention-mask`; off, a sample attends across
+            the documents packed into it. Documents are the corpus index's (mt-data's
+            `take(return_positions=True)`). Needs context parallelism off
+            (parallel.cp=1). On GPU the masked attention runs through flex_attention
+            instead of the plain causal kernel.
     """
 
     path: str = ""
     seq_len: int = 256
     on_exhausted: str = "repeat"
+    document_masking: bool = False
 
     def __post_init__(self) -> None:
         if self.seq_len < 2:
@@ -355,6 +363,11 @@ class JobConfig:
             raise ValueError(f"log_every ({self.log_every}) must be >= 1")
         if self.seed < 0:  # numpy's shuffle takes no negative seed
             raise ValueError(f"seed ({self.seed}) must be >= 0")
+        if self.data.document_masking and self.parallel.cp > 1:
+            raise ValueError(
+                f"data.document_masking needs parallel.cp=1 (got {self.parallel.cp}): the "
+                "context-parallel attention masks by global position only; turn one of them off"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         """Returns the config as nested plain data, with the model family named."""

@@ -360,16 +360,21 @@ def next_microbatches(state: TrainState, dataset: TokenDataset | None = None) ->
     for _ in range(cfg.training.global_batch_size // micro):
         try:
             rows = dataset.take(
-                micro, rank=batch_rank, world_size=dims.batch_ranks, token_ranges=ranges
-            )
+                micro, rank=batch_rank, world_size=dims.batch_ranks, token_ranges=ranges,
+                return_positions=cfg.data.document_masking,
+            )  # fmt: skip
         except DataExhausted:
             # The batch is not trained: leave its first micro-batches unread too, so a
             # checkpoint (or data.on_exhausted=repeat on resume) continues from here.
             dataset.load_state_dict(position)
             raise
+        positions = None
+        if cfg.data.document_masking:  # whole samples: the config refuses cp > 1
+            rows, doc_positions = rows
+            positions = torch.from_numpy(doc_positions[:, :-1]).to(state.device, non_blocking=True)
         tokens = torch.from_numpy(rows).to(state.device, non_blocking=True)
         if ranges is None:
-            microbatches.append(MicroBatch(tokens[:, :-1], tokens[:, 1:]))
+            microbatches.append(MicroBatch(tokens[:, :-1], tokens[:, 1:], positions))
         else:
             inputs, labels, positions = split_sample(tokens, ranges)
             microbatches.append(MicroBatch(inputs, labels, positions))
