@@ -12,7 +12,7 @@ TOP_LEVEL_KEYS = [
 ]
 NON_MODEL_KEYS = sorted([
     "checkpoint.async_save", "checkpoint.interval", "checkpoint.keep_last", "checkpoint.resume",
-    "data.on_exhausted", "data.path", "data.seq_len",
+    "data.document_masking", "data.on_exhausted", "data.path", "data.seq_len",
     "init_from", "log_every", "model_family", "run_dir", "seed",
     "metrics.tensorboard", "metrics.wandb_project",
     "parallel.cp", "parallel.dp", "parallel.ep", "parallel.ep_comm", "parallel.grad_reduce",
