@@ -33,7 +33,9 @@ class DataConfig:
             the documents packed into it. Documents are the corpus index's (mt-data's
             `take(return_positions=True)`). Needs context parallelism off
             (parallel.cp=1). On GPU the masked attention runs through flex_attention
-            instead of the plain causal kernel.
+            instead of the plain causal kernel where flex compiles (head dims a power of
+            two, 16 to 256), else through SDPA with a dense [S, S] mask (DeepSeek's
+            192). MFU still counts every token's full causal context.
     """
 
     path: str = ""
