@@ -161,3 +161,29 @@ def test_rms_norm_kernel_on_gpu_matches_reference(
         torch.testing.assert_close(out.float(), ref_out.float(), rtol=2**-6, atol=1e-6)
     assert_close(dx, ref_dx, x_dtype, "grad x")
     assert_close(dw, ref_dw, w_dtype, "grad weight")
+
+
+def _last_rows_match_reference(shape, device, assert_close, norm=rms_norm):
+    """Output and input gradient of the last rows against the reference on those rows
+    alone (each row is normalized by itself)."""
+    gen = torch.Generator(device=device).manual_seed(6)
+    x = torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16)
+    x.requires_grad_(True)
+    w = 1 + 0.1 * torch.randn(shape[-1], generator=gen, device=device)
+    out = norm(x, w)
+    grad = torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16)
+    (dx,) = torch.autograd.grad(out, x, grad)
+    x_last = x.detach()[-3:].requires_grad_(True)
+    ref = rms_norm_reference(x_last, w)
+    (ref_dx,) = torch.autograd.grad(ref, x_last, grad[-3:])
+    assert_close(out[-3:], ref, torch.bfloat16, "out")
+    assert_close(dx[-3:], ref_dx, torch.bfloat16, "grad x")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dim", [4096, 12000])  # rows in registers, rows walked in blocks
+def test_rms_norm_kernel_on_gpu_addresses_rows_past_2_to_the_31_elements(dim, assert_close):
+    # 2**31 // dim + 3 rows (4 GiB of bf16): the last rows' offsets overflow int32, so they
+    # are right only if every offset is int64.
+    _last_rows_match_reference((2**31 // dim + 3, dim), "cuda", assert_close)

@@ -90,7 +90,10 @@ def test_rope_kernel_matches_reference_in_interpreter(tables, assert_close, run_
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("shape", [(4, 4096, 32, 128), (2, 512, 16, 64), (1, 37, 3, 78)])
+# (2, 512, 1, 64): MLA's k_rope, one head shared by all (a one-head block on GPU).
+@pytest.mark.parametrize(
+    "shape", [(4, 4096, 32, 128), (2, 512, 16, 64), (2, 512, 1, 64), (1, 37, 3, 78)]
+)
 def test_rope_kernel_on_gpu_matches_reference(shape, run_with_grads):
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(shape, generator=gen).bfloat16().cuda()
@@ -104,3 +107,30 @@ def test_rope_kernel_on_gpu_matches_reference(shape, run_with_grads):
         differ = (got != want).float().mean().item()
         assert differ < 1e-3, differ
         torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=1e-6)
+
+
+def _last_rows_match_reference(shape, device):
+    """The op's output and input gradient at the last (batch, position) rows against the
+    reference run on those rows alone (RoPE acts on each row by itself)."""
+    gen = torch.Generator(device=device).manual_seed(6)
+    x = torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16)
+    x.requires_grad_(True)
+    cos, sin, _ = _cos_sin(shape[1], shape[3])
+    cos, sin = cos.float().to(device), sin.float().to(device)
+    out = apply_rope(x, cos, sin)
+    grad = torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16)
+    (dx,) = torch.autograd.grad(out, x, grad)
+    last = (slice(-1, None), slice(-2, None))  # batch B-1, positions S-2 and S-1
+    x_last = x.detach()[last].requires_grad_(True)
+    ref = apply_rope_reference(x_last, cos[-2:], sin[-2:])
+    (ref_dx,) = torch.autograd.grad(ref, x_last, grad[last])
+    for got, want in ((out[last], ref), (dx[last], ref_dx)):
+        torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_rope_kernel_on_gpu_addresses_rows_past_2_to_the_31_elements():
+    # 4 · 131073 · 32 · 128 = 2**31 + 16384 elements (4 GiB of bf16): the last rows' offsets
+    # overflow int32, so they are right only if every offset is int64.
+    _last_rows_match_reference((4, 131073, 32, 128), "cuda")
