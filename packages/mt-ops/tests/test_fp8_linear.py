@@ -272,3 +272,12 @@ def test_make_weight_grads_deferrable_swaps_linears_and_keeps_parameters():
     assert make_weight_grads_deferrable(model) == 2
     assert all(isinstance(model[i], Linear) for i in (0, 2))
     assert all(before[n] is p for n, p in model.named_parameters())
+
+
+def test_convert_to_fp8_names_a_selected_layer_it_cannot_convert_and_changes_nothing():
+    model = nn.Sequential(nn.Linear(128, 128), nn.Sequential(nn.Linear(128, 100)))
+    with pytest.raises(
+        ValueError, match=r"'1\.0' \(in_features 128, out_features 100\).*multiples of 16"
+    ):
+        convert_to_fp8(model, lambda module, fqn: True)
+    assert type(model[0]) is nn.Linear  # refused before any swap: not half converted

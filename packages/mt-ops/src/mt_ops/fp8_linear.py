@@ -397,15 +397,34 @@ def convert_to_fp8(
     """
     keep = module_filter_fn or default_fp8_filter
     kwargs = {"weight_cache": weight_cache, "backend": backend, "scale_format": scale_format}
-    for fqn, module in list(model.named_modules()):
-        for name, child in list(module.named_children()):
+    # Every selected layer is checked before the first swap: a refusal leaves the model as
+    # it was, not half converted.
+    swaps = []  # (parent, attribute name, layer)
+    for fqn, module in model.named_modules():
+        for name, child in module.named_children():
             child_fqn = f"{fqn}.{name}" if fqn else name
-            if isinstance(child, nn.Linear) and keep(child, child_fqn):
-                setattr(module, name, FP8Linear.from_linear(child, **kwargs))
-            elif (
-                isinstance(child, GroupedLinear)
-                and not isinstance(child, FP8GroupedLinear)
-                and keep(child, child_fqn)
-            ):
-                setattr(module, name, FP8GroupedLinear.from_grouped_linear(child, **kwargs))
+            convertible = isinstance(child, nn.Linear) or (
+                isinstance(child, GroupedLinear) and not isinstance(child, FP8GroupedLinear)
+            )
+            if convertible and keep(child, child_fqn):
+                _check_convertible(child, child_fqn)
+                swaps.append((module, name, child))
+    for module, name, child in swaps:
+        convert = (
+            FP8Linear.from_linear
+            if isinstance(child, nn.Linear)
+            else FP8GroupedLinear.from_grouped_linear
+        )
+        setattr(module, name, convert(child, **kwargs))
     return model
+
+
+def _check_convertible(module: nn.Module, fqn: str) -> None:
+    """Raises ValueError, naming the layer, when ``module_filter_fn`` selected a layer that
+    cannot run in FP8."""
+    if module.in_features % _FP8_ALIGN or module.out_features % _FP8_ALIGN:
+        raise ValueError(
+            f"{fqn!r} (in_features {module.in_features}, out_features {module.out_features}) "
+            f"was selected for FP8, but FP8 linears need both to be multiples of {_FP8_ALIGN}; "
+            "leave it in BF16 (exclude it in module_filter_fn)"
+        )
