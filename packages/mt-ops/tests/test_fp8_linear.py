@@ -281,3 +281,18 @@ def test_convert_to_fp8_names_a_selected_layer_it_cannot_convert_and_changes_not
     ):
         convert_to_fp8(model, lambda module, fqn: True)
     assert type(model[0]) is nn.Linear  # refused before any swap: not half converted
+
+
+
+def test_a_second_conversion_with_another_weight_cache_is_refused():
+    # The caller would invalidate the new cache while the modules fill the old one, which
+    # nobody invalidates: only the version guard (blind to fused AdamW) would catch updates.
+    model = nn.Sequential(nn.Linear(128, 128), nn.Linear(128, 64))
+    first = FP8WeightCache()
+    convert_to_fp8(model, weight_cache=first)
+    convert_to_fp8(model, weight_cache=first)  # same settings: nothing to do
+    with pytest.raises(ValueError, match=r"'0' is already an FP8Linear with other settings"):
+        convert_to_fp8(model, weight_cache=FP8WeightCache())
+    with pytest.raises(ValueError, match=r"scale_format"):
+        convert_to_fp8(model, weight_cache=first, scale_format="e8m0")
+    assert model[0].weight_cache is first and model[0].scale_format == "fp32"

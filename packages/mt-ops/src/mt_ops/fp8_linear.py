@@ -381,6 +381,7 @@ def convert_to_fp8(
     """Swaps ``nn.Linear`` → :class:`FP8Linear` and ``GroupedLinear`` → :class:`FP8GroupedLinear`.
 
     Subclasses count (a model's own ``nn.Linear`` subclass with plain linear semantics).
+    Layers already converted stay as they are; a second call must ask for their settings.
 
     Parameters are moved, not copied, so fully qualified names (``...experts.gate_proj.weight``),
     checkpoints and optimizer state are unchanged; model files stay dtype-agnostic.
@@ -403,9 +404,11 @@ def convert_to_fp8(
     for fqn, module in model.named_modules():
         for name, child in module.named_children():
             child_fqn = f"{fqn}.{name}" if fqn else name
-            convertible = isinstance(child, nn.Linear) or (
-                isinstance(child, GroupedLinear) and not isinstance(child, FP8GroupedLinear)
-            )
+            if isinstance(child, FP8Linear | FP8GroupedLinear):
+                if keep(child, child_fqn):
+                    _check_same_settings(child, child_fqn, kwargs)
+                continue
+            convertible = isinstance(child, nn.Linear | GroupedLinear)
             if convertible and keep(child, child_fqn):
                 _check_convertible(child, child_fqn)
                 swaps.append((module, name, child))
@@ -417,6 +420,19 @@ def convert_to_fp8(
         )
         setattr(module, name, convert(child, **kwargs))
     return model
+
+
+def _check_same_settings(module: nn.Module, fqn: str, settings: dict) -> None:
+    """A second conversion changes nothing, so it must not ask for other settings: its
+    caller would invalidate a cache that the converted modules never fill."""
+    differing = [k for k, v in settings.items() if getattr(module, k) != v]  # cache: by identity
+    if differing:
+        raise ValueError(
+            f"{fqn!r} is already an {type(module).__name__} with other settings "
+            f"({', '.join(differing)}) than this convert_to_fp8 call asks for; convert the "
+            "model once, with the weight cache the training step invalidates (or set the "
+            "module's attributes directly)"
+        )
 
 
 def _check_convertible(module: nn.Module, fqn: str) -> None:
