@@ -283,7 +283,6 @@ def test_convert_to_fp8_names_a_selected_layer_it_cannot_convert_and_changes_not
     assert type(model[0]) is nn.Linear  # refused before any swap: not half converted
 
 
-
 def test_a_second_conversion_with_another_weight_cache_is_refused():
     # The caller would invalidate the new cache while the modules fill the old one, which
     # nobody invalidates: only the version guard (blind to fused AdamW) would catch updates.
@@ -296,3 +295,24 @@ def test_a_second_conversion_with_another_weight_cache_is_refused():
     with pytest.raises(ValueError, match=r"scale_format"):
         convert_to_fp8(model, weight_cache=first, scale_format="e8m0")
     assert model[0].weight_cache is first and model[0].scale_format == "fp32"
+
+
+def test_convert_to_fp8_after_fully_shard_is_refused_with_the_order_to_use(tmp_path):
+    # FSDP2 swaps gathered weights into the modules it recorded; a module swapped in after
+    # fully_shard would only ever see the sharded DTensor (an opaque "mixed torch.Tensor and
+    # DTensor" error at the first forward).
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
+    )
+    try:
+        model = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 128))
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        with pytest.raises(ValueError, match=r"'0'.*DTensor.*before fully_shard"):
+            convert_to_fp8(model, weight_cache=FP8WeightCache())
+        assert type(model[0]) is nn.Linear
+    finally:
+        dist.destroy_process_group()

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from mt_ops.deferred_wgrad import WeightGradQueue, accumulate_grad
 from mt_ops.fp8_gemm import fp8_grouped_gemm, fp8_grouped_wgrad
@@ -382,6 +383,7 @@ def convert_to_fp8(
 
     Subclasses count (a model's own ``nn.Linear`` subclass with plain linear semantics).
     Layers already converted stay as they are; a second call must ask for their settings.
+    Convert before FSDP2's ``fully_shard`` (it records the modules that own each weight).
 
     Parameters are moved, not copied, so fully qualified names (``...experts.gate_proj.weight``),
     checkpoints and optimizer state are unchanged; model files stay dtype-agnostic.
@@ -438,6 +440,13 @@ def _check_same_settings(module: nn.Module, fqn: str, settings: dict) -> None:
 def _check_convertible(module: nn.Module, fqn: str) -> None:
     """Raises ValueError, naming the layer, when ``module_filter_fn`` selected a layer that
     cannot run in FP8."""
+    if isinstance(module.weight, DTensor):
+        # FSDP2 hands each forward's gathered weight to the module it recorded at
+        # fully_shard; a module swapped in later would only ever see the sharded DTensor.
+        raise ValueError(
+            f"{fqn!r} has a DTensor weight (shape {tuple(module.weight.shape)}): the model "
+            "is already sharded; call convert_to_fp8 before fully_shard / parallelize"
+        )
     if module.in_features % _FP8_ALIGN or module.out_features % _FP8_ALIGN:
         raise ValueError(
             f"{fqn!r} (in_features {module.in_features}, out_features {module.out_features}) "
