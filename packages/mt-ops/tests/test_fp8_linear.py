@@ -316,3 +316,33 @@ def test_convert_to_fp8_after_fully_shard_is_refused_with_the_order_to_use(tmp_p
         assert type(model[0]) is nn.Linear
     finally:
         dist.destroy_process_group()
+
+
+def test_weight_cache_requantizes_a_weight_converted_in_place():
+    # module.to(dtype / device) replaces param.data: same Parameter, same version counter.
+    cache = FP8WeightCache()
+    fp8 = FP8Linear.from_linear(nn.Linear(128, 128, bias=False), weight_cache=cache)
+    with torch.no_grad():
+        # 1 + 2⁻⁴ + 2⁻⁹: E4M3 rounds it up; its bf16 rounding 1 + 2⁻⁴ is a tie, rounded down.
+        fp8.weight.fill_(1 + 2**-4 + 2**-9)
+    x = torch.randn(4, 128).bfloat16()
+    fp8(x)
+    fp8.bfloat16()
+    y = fp8(x)
+    assert cache.num_quantizations == 2
+    uncached = FP8Linear.from_linear(fp8)  # the same (now bf16) parameter, no cache
+    assert torch.equal(y, uncached(x))
+
+
+def test_weight_cache_version_guard_misses_a_fused_adamw_step_so_invalidate_is_required():
+    cache = FP8WeightCache()
+    fp8 = FP8Linear.from_linear(nn.Linear(128, 128), weight_cache=cache)
+    optimizer = torch.optim.AdamW(fp8.parameters(), lr=0.1, fused=True)
+    x = torch.randn(4, 128)
+    fp8(x).sum().backward()
+    optimizer.step()  # the fused kernel leaves the version counter as it was
+    assert cache.num_quantizations == 1
+    stale = fp8(x)
+    assert cache.num_quantizations == 1
+    cache.invalidate()
+    assert not torch.equal(fp8(x), stale) and cache.num_quantizations == 2

@@ -16,8 +16,11 @@ its own dtype (fp32 for FP8 training). Per layer and step:
 Weights are quantized once per optimizer step through an :class:`FP8WeightCache` owned by
 the caller (no global flag): every micro-batch's forward and backward reuse the entry;
 ``cache.invalidate()`` after ``optimizer.step()`` drops it. As a guard the entry also
-records the weight's version counter, so an in-place update without ``invalidate()`` is
-re-quantized rather than served stale.
+records the weight's version counter, dtype and device, so an in-place op on the parameter
+(``p.copy_``, ``load_state_dict``, foreach AdamW) or a ``module.to(...)`` without
+``invalidate()`` is re-quantized rather than served stale. The guard is partial, so
+``invalidate()`` is required: fused optimizers (``torch.optim.AdamW(fused=True)``, mt-train's
+choice on CUDA), writes through ``p.data`` and FSDP2's all-gathers leave the counter as it was.
 
 For experts, token tiles restart at each expert (:func:`mt_ops.fp8_quant.row_tiles`), so
 each expert's wgrad scales only its own tokens. ``FP8Linear`` is the one-group case.
@@ -79,7 +82,8 @@ class FP8WeightCache:
     def __init__(self, scale_format: ScaleFormat = "fp32") -> None:
         self.scale_format: ScaleFormat = scale_format
         self.num_quantizations = 0
-        self._entries: dict[int, tuple[Tensor, int, QuantizedWeight]] = {}
+        # id(weight) -> (weight, its version counter, dtype and device when quantized, result)
+        self._entries: dict[int, tuple[Tensor, tuple, QuantizedWeight]] = {}
 
     def get(self, weight: Tensor) -> QuantizedWeight:
         """The quantized weight, computed on first use after :meth:`invalidate`.
@@ -92,11 +96,13 @@ class FP8WeightCache:
             Its :class:`QuantizedWeight`.
         """
         key = id(weight)
+        # module.to(dtype / device) replaces p.data: same object, same version counter.
+        stamp = (weight._version, weight.dtype, weight.device)
         entry = self._entries.get(key)
-        if entry is not None and entry[0] is weight and entry[1] == weight._version:
+        if entry is not None and entry[0] is weight and entry[1] == stamp:
             return entry[2]
         quantized = quantize_weight(weight, self.scale_format)
-        self._entries[key] = (weight, weight._version, quantized)
+        self._entries[key] = (weight, stamp, quantized)
         self.num_quantizations += 1
         return quantized
 

@@ -430,7 +430,7 @@ def train_step(
         )
     state.optimizer.zero_grad(set_to_none=True)
     if state.fp8_cache is not None:
-        # Quantize afresh next step; FSDP2 hides the update from the cache's version check.
+        # Quantize afresh next step; FSDP2 and fused AdamW hide the update from the version check.
         state.fp8_cache.invalidate()
     if state.device.type == "cuda":
         torch.cuda.synchronize(state.device)
