@@ -346,3 +346,35 @@ def test_weight_cache_version_guard_misses_a_fused_adamw_step_so_invalidate_is_r
     assert cache.num_quantizations == 1
     cache.invalidate()
     assert not torch.equal(fp8(x), stale) and cache.num_quantizations == 2
+
+
+def test_fp8_linears_quantize_no_transposes_that_no_gradient_needs(monkeypatch):
+    # xᵀ and dyᵀ feed only the weight gradient: evaluation (no_grad) and frozen weights
+    # quantize by rows only, with the same results.
+    import mt_ops.fp8_linear as fp8_linear
+
+    dual_calls = []
+    dual = fp8_linear.quantize_1x128_dual
+
+    def counting_dual(*args, **kwargs):
+        dual_calls.append(1)
+        return dual(*args, **kwargs)
+
+    monkeypatch.setattr(fp8_linear, "quantize_1x128_dual", counting_dual)
+    counts = torch.tensor([10, 0, 25, 5])
+    experts = FP8GroupedLinear.from_grouped_linear(_grouped(), weight_cache=FP8WeightCache())
+    linear = FP8Linear.from_linear(nn.Linear(128, 64))
+    x, x_dense = torch.randn(40, 256), torch.randn(3, 5, 128)
+    y_train, y_dense_train = experts(x, counts), linear(x_dense)
+    assert len(dual_calls) == 2
+    with torch.no_grad():
+        y_eval, y_dense_eval = experts(x, counts), linear(x_dense)
+    assert len(dual_calls) == 2
+    assert torch.equal(y_eval, y_train) and torch.equal(y_dense_eval, y_dense_train)
+    grad_out = torch.randn(40, 384)
+    _, grad_x = _run(experts, x, counts, grad_out)
+    assert len(dual_calls) == 4  # forward and backward
+    experts.weight.requires_grad_(False)
+    experts.bias.requires_grad_(False)
+    _, grad_x_frozen = _run(experts, x, counts, grad_out)
+    assert len(dual_calls) == 4 and torch.equal(grad_x_frozen, grad_x)

@@ -39,6 +39,7 @@ from mt_ops.fp8_quant import (
     Fp8Quantized,
     RowTiles,
     ScaleFormat,
+    quantize_1x128,
     quantize_1x128_dual,
     quantize_128x128,
     row_tiles,
@@ -141,6 +142,9 @@ class _Fp8Call:
     queue: WeightGradQueue | None
     backend: str | None
     scale_format: ScaleFormat
+    # Whether the weight gradient will be asked for: xᵀ and dyᵀ feed nothing else, so
+    # evaluation (no_grad) and frozen weights quantize by rows only.
+    weight_grad: bool
 
 
 class _FP8GroupedLinearFn(torch.autograd.Function):
@@ -149,13 +153,16 @@ class _FP8GroupedLinearFn(torch.autograd.Function):
         backend, scale_format = call.backend, call.scale_format
         qweight = call.weight_source(call.param)
         tiles = row_tiles(counts_E, x_RD.shape[0])
-        x_q, x_qt = quantize_1x128_dual(x_RD, tiles=tiles, scale_format=scale_format)
+        if call.weight_grad:
+            x_q, x_qt = quantize_1x128_dual(x_RD, tiles=tiles, scale_format=scale_format)
+        else:  # evaluation or a frozen weight: nothing will read xᵀ
+            x_q, x_qt = quantize_1x128(x_RD, scale_format=scale_format), (None, None)
         y_RO = fp8_grouped_gemm(x_q, qweight.blocks, tiles, out_dtype=x_RD.dtype, backend=backend)
         if bias_EO is not None:
             bias_RO = bias_EO.repeat_interleave(counts_E, dim=0, output_size=x_RD.shape[0])
             y_RO = y_RO + bias_RO.to(y_RO.dtype)
         ctx.save_for_backward(
-            x_qt.data, x_qt.scale, counts_E, tiles.start_T, tiles.end_T, tiles.group_T,
+            *x_qt, counts_E, tiles.start_T, tiles.end_T, tiles.group_T,
             tiles.group_first_tile_G,
         )  # fmt: skip
         ctx.num_rows, ctx.x_dtype = x_RD.shape[0], x_RD.dtype
@@ -170,7 +177,11 @@ class _FP8GroupedLinearFn(torch.autograd.Function):
         x_data, x_scale, counts_E, start_T, end_T, group_T, first_G = ctx.saved_tensors
         tiles = RowTiles(start_T, end_T, group_T, first_G, ctx.num_rows)
         dy_RO = dy_RO.contiguous()
-        dy_q, dy_qt = quantize_1x128_dual(dy_RO, tiles=tiles, scale_format=ctx.scale_format)
+        if ctx.needs_input_grad[1]:
+            assert x_data is not None, "forward quantized no xᵀ for a weight gradient"
+            dy_q, dy_qt = quantize_1x128_dual(dy_RO, tiles=tiles, scale_format=ctx.scale_format)
+        else:
+            dy_q = quantize_1x128(dy_RO, scale_format=ctx.scale_format)
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = fp8_grouped_gemm(
@@ -203,6 +214,11 @@ def _weight_source(cache: FP8WeightCache | None, scale_format: ScaleFormat) -> C
             )
         return cache.get
     return lambda w: quantize_weight(w, scale_format)
+
+
+def _needs_weight_grad(weight: Tensor) -> bool:
+    """Whether autograd will ask a call made now for ``weight``'s gradient."""
+    return torch.is_grad_enabled() and weight.requires_grad
 
 
 def _autocast_input(x: Tensor) -> Tensor:
@@ -283,7 +299,7 @@ class FP8GroupedLinear(GroupedLinear):
         _check_grouped_args(x_RD, self.weight, tokens_per_expert_E)
         call = _Fp8Call(
             self.weight, _weight_source(self.weight_cache, self.scale_format), self.wgrad_queue,
-            self.backend, self.scale_format,
+            self.backend, self.scale_format, _needs_weight_grad(self.weight),
         )  # fmt: skip
         return _FP8GroupedLinearFn.apply(
             _autocast_input(x_RD).contiguous(), self.weight, self.bias, tokens_per_expert_E, call
@@ -353,7 +369,7 @@ class FP8Linear(nn.Module):
         bias_1O = None if self.bias is None else self.bias.unsqueeze(0)
         call = _Fp8Call(
             self.weight, _weight_source(self.weight_cache, self.scale_format), self.wgrad_queue,
-            self.backend, self.scale_format,
+            self.backend, self.scale_format, _needs_weight_grad(self.weight),
         )  # fmt: skip
         y_MO = _FP8GroupedLinearFn.apply(x_MD, self.weight.unsqueeze(0), bias_1O, counts_1, call)
         return y_MO.view(*x.shape[:-1], self.out_features)
