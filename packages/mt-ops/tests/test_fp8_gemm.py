@@ -146,6 +146,13 @@ def test_backend_is_emulation_on_cpu_and_overrides_are_checked(monkeypatch):
         fp8_backend(torch.device("cpu"), "cutlass")
     monkeypatch.setenv("MT_OPS_FP8_BACKEND", "emulation")
     assert fp8_backend(torch.device("cpu")) == "emulation"
+    # A choice from the environment says so: the caller passed no backend.
+    monkeypatch.setenv("MT_OPS_FP8_BACKEND", "triton")
+    with pytest.raises(ValueError, match=r"MT_OPS_FP8_BACKEND='triton'.*needs CUDA"):
+        fp8_backend(torch.device("cpu"))
+    monkeypatch.setenv("MT_OPS_FP8_BACKEND", "auto")
+    with pytest.raises(ValueError, match=r"MT_OPS_FP8_BACKEND='auto'.*one of.*unset"):
+        fp8_backend(torch.device("cpu"))
 
 
 def test_deepgemm_is_chosen_when_it_imports_and_called_with_its_dense_convention(monkeypatch):

@@ -93,12 +93,18 @@ def fp8_backend(device: torch.device, backend: str | None = None) -> str:
         The backend name; the automatic choice is logged once per device type.
     """
     requested = backend or os.environ.get("MT_OPS_FP8_BACKEND") or None
+    # Errors name where the choice came from: a caller who passed none set the variable.
+    source = "backend" if backend else "MT_OPS_FP8_BACKEND"
     if requested is not None:
         if requested not in BACKENDS:
-            raise ValueError(f"FP8 backend ({requested!r}) must be one of {BACKENDS}")
+            raise ValueError(
+                f"FP8 backend {source}={requested!r} must be one of {BACKENDS}, or unset "
+                "(None) for the automatic choice"
+            )
         if requested != "emulation" and device.type != "cuda":
             raise ValueError(
-                f"FP8 backend {requested!r} needs CUDA tensors (got {device}); use 'emulation'"
+                f"FP8 backend {source}={requested!r} needs CUDA tensors (got {device}); use "
+                "'emulation'"
             )
         if requested == "deepgemm" and _deep_gemm() is None:
             raise ValueError("FP8 backend 'deepgemm' requested but deep_gemm does not import")
