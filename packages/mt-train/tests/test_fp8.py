@@ -13,14 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from mt_data.default_corpus import default_corpus_dir
 from mt_models import build_model
 from mt_ops import FP8GroupedLinear, FP8Linear
 from mt_ops.fp8_linear import quantize_weight
+from mt_train import train as train_module
 from mt_train.config import JobConfig
 from mt_train.overrides import resolve_config
 from mt_train.precision import apply_fp8, check_fp8_device
 from mt_train.recipes import get_recipe
-from mt_train.train import next_microbatches, pretrain, setup, train_step
+from mt_train.train import next_microbatches, pretrain, setup, train_step, validate
 
 # Constant LR, so a run stopped early and resumed has the uninterrupted run's schedule.
 CONSTANT_LR = ["training.warmup_steps=0", "training.min_lr_ratio=1.0"]
@@ -91,6 +93,42 @@ def test_fp8_run_resumed_from_a_checkpoint_continues_bit_exactly(tmp_path):
     assert resumed.step == 6 and len(resumed.losses) == 3
     assert resumed.losses == whole.losses[3:]
     assert _fp8_modules(resumed.model)
+
+
+def test_fp8_validation_and_a_skipped_step_use_the_quantization_of_the_current_weights(
+    tmp_path, monkeypatch
+):
+    cfg = _cfg(
+        tmp_path, "training.max_steps=3", f"validation.path={default_corpus_dir()}",
+        "validation.interval=1",
+    )  # fmt: skip
+    state = setup(cfg)
+    cache, num_fp8 = state.fp8_cache, len(_fp8_modules(state.model))
+    experts = state.model.model.layers[0].mlp.experts
+    served = _record_quantizations(cache, lambda: experts.gate_proj.weight)
+    train_step(state, next_microbatches(state))
+    # Validation (no_grad, after the step) quantizes the updated weights afresh...
+    updated = quantize_weight(experts.gate_proj.weight).blocks
+    served.clear()
+    validate(state)
+    assert served and all(_equal(q, updated) for q in served)
+    assert cache.num_quantizations == 2 * num_fp8
+    # ...and a step skipped for a NaN gradient reuses them (the weights did not move),
+    # then leaves the cache empty like any step.
+    real_clip = train_module.clip_grad_norm
+
+    def clip_with_a_nan_gradient(params, max_norm, group):
+        params = list(params)
+        params[0].grad.view(-1)[0] = float("nan")
+        return real_clip(params, max_norm, group)
+
+    monkeypatch.setattr(train_module, "clip_grad_norm", clip_with_a_nan_gradient)
+    served.clear()
+    train_step(state, next_microbatches(state))
+    assert state.skipped_steps == 1 and not cache
+    assert served and all(_equal(q, updated) for q in served)
+    assert cache.num_quantizations == 2 * num_fp8
+    assert _equal(quantize_weight(experts.gate_proj.weight).blocks, updated)
 
 
 # Run by each of two torchrun ranks (gloo): expert parallelism (each rank holds 4 of the 8
