@@ -11,7 +11,20 @@ is how one-GPU training runs bf16 activations against fp32 parameters.
 import torch
 from torch import Tensor
 
-__all__ = ["check_same_dtype"]
+__all__ = ["autocast_dtype", "check_same_dtype"]
+
+
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The autocast dtype when autocast is on for ``device``'s type, else None.
+
+    A custom autograd Function sees no autocast, so ops that wrap one cast their inputs to
+    this dtype themselves. Devices without autocast (meta) give None, where
+    ``torch.is_autocast_enabled`` would raise.
+    """
+    device_type = device.type
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
 
 
 def check_same_dtype(expected: tuple[str, Tensor], *others: tuple[str, Tensor | None]) -> None:
@@ -29,8 +42,7 @@ def check_same_dtype(expected: tuple[str, Tensor], *others: tuple[str, Tensor | 
         if t is None or t.dtype == expected_t.dtype:
             continue
         device_type = expected_t.device.type
-        # is_autocast_enabled raises for a device without autocast (meta).
-        if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        if autocast_dtype(expected_t.device) is not None:
             return
         raise ValueError(
             f"{name} dtype ({t.dtype}) must equal {expected_name} dtype ({expected_t.dtype}) "

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mt_ops._dtypes import check_same_dtype
+from mt_ops._dtypes import autocast_dtype, check_same_dtype
 from mt_ops._triton import launch, tl, triton, use_kernels
 
 __all__ = ["linear_cross_entropy", "linear_cross_entropy_reference"]
@@ -204,12 +204,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             if need_weight_grad
             else None
         )
-        device_type = hidden_TD.device.type
-        # is_autocast_enabled raises for a device without autocast (meta).
-        if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
-            # A custom Function runs under the caller's autocast: cast the head once here
-            # instead of in each chunk's matmuls (twice per chunk with gradients).
-            dtype = torch.get_autocast_dtype(device_type)
+        dtype = autocast_dtype(hidden_TD.device)
+        if dtype is not None:
+            # The matmuls below would cast under the caller's autocast; cast the head once
+            # here instead of in each chunk's matmuls (twice per chunk with gradients).
             hidden_TD, weight_VD = hidden_TD.to(dtype), weight_VD.to(dtype)
         rows = _xent_rows_kernels if use_kernels(hidden_TD) else _xent_rows_eager
         for start in range(0, num_tokens, chunk_tokens):

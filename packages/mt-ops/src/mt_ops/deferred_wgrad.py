@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mt_ops._dtypes import autocast_dtype
+
 __all__ = [
     "Linear",
     "WeightGradQueue",
@@ -126,8 +128,8 @@ class Linear(nn.Linear):
         if self.wgrad_queue is None or not torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
         weight = self.weight
-        if torch.is_autocast_enabled(x.device.type):  # a custom Function sees no autocast
-            dtype = torch.get_autocast_dtype(x.device.type)
+        dtype = autocast_dtype(x.device)  # a custom Function sees no autocast
+        if dtype is not None:
             x, weight = x.to(dtype), weight.to(dtype)
         return _DeferredLinearFn.apply(x, weight, self.bias, self.wgrad_queue, self.weight)
 

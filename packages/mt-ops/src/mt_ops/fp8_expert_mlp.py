@@ -43,7 +43,7 @@ from torch import Tensor
 from mt_ops._triton import use_kernels
 from mt_ops.deferred_wgrad import accumulate_grad
 from mt_ops.fp8_gemm import fp8_grouped_gemm, fp8_grouped_gemm_sum, fp8_grouped_wgrad
-from mt_ops.fp8_linear import FP8GroupedLinear, QuantizedWeight, _weight_source
+from mt_ops.fp8_linear import FP8GroupedLinear, QuantizedWeight, _autocast_input, _weight_source
 from mt_ops.fp8_quant import Fp8Quantized, RowTiles, quantize_1x128_dual, row_tiles
 from mt_ops.fp8_swiglu import swiglu_backward_quantize_1x128, swiglu_quantize_1x128
 from mt_ops.moe_permute import (
@@ -200,13 +200,6 @@ class _FP8MoESwiGLUFn(torch.autograd.Function):
         )
         grad_x = None if grad_x_RD is None else _gather_sum(grad_x_RD, plan, out_dtype=ctx.x_dtype)
         return grad_x, grad_w, *grads, None, None
-
-
-def _autocast_input(x: Tensor) -> Tensor:
-    """Under autocast the op takes and returns the autocast dtype (as FP8GroupedLinear)."""
-    if torch.is_autocast_enabled(x.device.type):
-        return x.to(torch.get_autocast_dtype(x.device.type))
-    return x
 
 
 def _check(x_RD, tokens_per_expert_E, gate_proj, up_proj, down_proj) -> None:

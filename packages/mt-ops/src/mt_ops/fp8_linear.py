@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from mt_ops._dtypes import autocast_dtype
 from mt_ops.deferred_wgrad import WeightGradQueue, accumulate_grad
 from mt_ops.fp8_gemm import fp8_grouped_gemm, fp8_grouped_wgrad
 from mt_ops.fp8_quant import (
@@ -223,9 +224,8 @@ def _needs_weight_grad(weight: Tensor) -> bool:
 
 def _autocast_input(x: Tensor) -> Tensor:
     """Under autocast, FP8 linears take and return the autocast dtype (a Function sees none)."""
-    if torch.is_autocast_enabled(x.device.type):
-        return x.to(torch.get_autocast_dtype(x.device.type))
-    return x
+    dtype = autocast_dtype(x.device)
+    return x if dtype is None else x.to(dtype)
 
 
 def _check_aligned(in_features: int, out_features: int) -> None:

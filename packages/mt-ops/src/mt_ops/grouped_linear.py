@@ -22,7 +22,7 @@ gradients come back in the parameters' dtypes.
 import torch
 from torch import Tensor, nn
 
-from mt_ops._dtypes import check_same_dtype
+from mt_ops._dtypes import autocast_dtype, check_same_dtype
 from mt_ops.deferred_wgrad import WeightGradQueue, accumulate_grad
 
 __all__ = ["GroupedLinear", "grouped_linear", "grouped_linear_reference", "segment_sum"]
@@ -193,10 +193,10 @@ def grouped_linear(
     """
     _check(x_RD, w_EOD, tokens_per_expert_E, bias_EO)
     param = w_EOD
-    if torch.is_autocast_enabled(x_RD.device.type):
+    dtype = autocast_dtype(x_RD.device)
+    if dtype is not None:
         # A custom Function sees no autocast: compute in the autocast dtype explicitly, as
         # nn.Linear would, and let autograd cast the gradient back to the parameter dtype.
-        dtype = torch.get_autocast_dtype(x_RD.device.type)
         x_RD, w_EOD = x_RD.to(dtype), w_EOD.to(dtype)
     return _GroupedLinearFn.apply(x_RD, w_EOD, tokens_per_expert_E, bias_EO, wgrad_queue, param)
 

@@ -21,6 +21,7 @@ runs as eager PyTorch (``*_reference``).
 import torch
 from torch import Tensor
 
+from mt_ops._dtypes import autocast_dtype
 from mt_ops._triton import launch, tl, triton, use_kernels
 from mt_ops.moe_plan import DispatchPlan, plan_dispatch, plan_dispatch_reference
 
@@ -209,15 +210,8 @@ def _check_permute(x_TD: Tensor, plan: DispatchPlan) -> None:
 
 
 def _routed_dtype(x_TD: Tensor) -> torch.dtype:
-    device_type = x_TD.device.type
-    # is_autocast_enabled raises for a device without autocast (meta).
-    if (
-        x_TD.is_floating_point()
-        and torch.amp.is_autocast_available(device_type)
-        and torch.is_autocast_enabled(device_type)
-    ):
-        return torch.get_autocast_dtype(device_type)
-    return x_TD.dtype
+    dtype = autocast_dtype(x_TD.device) if x_TD.is_floating_point() else None
+    return dtype or x_TD.dtype
 
 
 def permute(x_TD: Tensor, plan: DispatchPlan, *, num_rows: int | None = None) -> Tensor:
