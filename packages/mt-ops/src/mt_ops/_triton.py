@@ -35,12 +35,20 @@ try:  # the interpreter (CPU runs of kernels) also needs numpy, which torch does
 except ImportError:  # pragma: no cover
     interpreter, InterpretedFunction = None, None
 
-__all__ = ["HAS_TRITON", "TensorDescriptor", "cdiv", "launch", "triton", "tl", "use_kernels"]
+__all__ = [
+    "HAS_TRITON", "TensorDescriptor", "cdiv", "launch", "num_sms", "triton", "tl", "use_kernels",
+]  # fmt: skip
 
 
 def cdiv(a: int, b: int) -> int:
     """Ceiling division for non-negative ints."""
     return -(-a // b)
+
+
+@cache
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (sizes persistent grids)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @cache

@@ -40,7 +40,7 @@ from functools import cache
 import torch
 from torch import Tensor
 
-from mt_ops._triton import TensorDescriptor, cdiv, launch, tl, triton
+from mt_ops._triton import TensorDescriptor, cdiv, launch, num_sms, tl, triton
 from mt_ops.fp8_quant import (
     BLOCK,
     Fp8Quantized,
@@ -308,7 +308,7 @@ def _grouped_gemm_triton(a, b, tiles, out_dtype, second=None):
     c_desc = TensorDescriptor.from_tensor(out, [BLOCK, BLOCK]) if tma_store else None
     num_programs = num_outputs
     if use_tma and TMA["persistent"]:
-        num_programs = min(num_outputs, _num_sms(a.data.device))
+        num_programs = min(num_outputs, num_sms(a.data.device))
     launch(
         _fp8_grouped_gemm_kernel, (max(num_programs, 1),),
         a.data, descs[0], storage(a), b.data, descs[1], storage(b),
@@ -322,11 +322,6 @@ def _grouped_gemm_triton(a, b, tiles, out_dtype, second=None):
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return out
-
-
-@cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 SCALED_MM_PROBE_ERRORS: list[str] = []

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mt_ops._triton import cdiv, launch, tl, triton, use_kernels
+from mt_ops._triton import cdiv, launch, num_sms, tl, triton, use_kernels
 
 __all__ = ["rms_norm", "rms_norm_reference"]
 
@@ -215,8 +215,7 @@ def _rms_norm_bwd(
     num_rows, dim = x_RD.shape
     block_rows, block_d, one_block = _blocks(dim)
     if x_RD.is_cuda:
-        sms = torch.cuda.get_device_properties(x_RD.device).multi_processor_count
-        max_programs = sms * _RMS_NORM_BWD_PROGRAMS_PER_SM
+        max_programs = num_sms(x_RD.device) * _RMS_NORM_BWD_PROGRAMS_PER_SM
     else:
         max_programs = _RMS_NORM_BWD_PROGRAMS_CPU
     num_programs = min(cdiv(num_rows, block_rows), cdiv(num_rows, _RMS_NORM_BWD_MIN_ROWS),

@@ -63,10 +63,6 @@ def _rope_kernel(
         tl.store(dst + half, o2.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def _rotate(x_BSHD: Tensor, cos: Tensor, sin: Tensor, inverse: bool) -> Tensor:
     """The kernel over ``x`` (last dim contiguous) with tables [1 or B, S, 1, head_dim]
     (last dim contiguous); returns a new contiguous tensor."""
@@ -80,8 +76,8 @@ def _rotate(x_BSHD: Tensor, cos: Tensor, sin: Tensor, inverse: bool) -> Tensor:
     launch(
         _rope_kernel, (batch * seq_len,), x_BSHD, cos, sin, out, seq_len, heads, head_dim // 2,
         x_BSHD.stride(0), x_BSHD.stride(1), x_BSHD.stride(2), cs_stride_b, cos.stride(1),
-        INVERSE=inverse, BLOCK_H=min(_ROPE_BLOCK_H, _pow2(heads)),
-        BLOCK_D=_pow2(head_dim // 2), num_warps=4,
+        INVERSE=inverse, BLOCK_H=min(_ROPE_BLOCK_H, triton.next_power_of_2(heads)),
+        BLOCK_D=triton.next_power_of_2(head_dim // 2), num_warps=4,
     )  # fmt: skip
     return out
 
