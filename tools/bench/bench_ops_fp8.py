@@ -264,6 +264,18 @@ def dense_gemms() -> None:
         except Exception as err:  # noqa: BLE001 - report and continue
             line += f" | {backend} failed: {type(err).__name__}: {err}"[:200]
     print(line)
+    # Weight gradient dW = dyᵀ a (the token dim contracted), both operands 1×128 token tiles.
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    (_, aqt), (_, dyqt) = quantize_1x128_dual(a, tiles=tiles), quantize_1x128_dual(dy, tiles=tiles)
+    bf16_w = bench_ms(lambda: dy.T @ a)
+    line = f"dense wgrad {n}x{k} over {m} tokens: bf16 {flops / bf16_w / 1e9:6.0f} TFLOP/s"
+    for backend in ("torch", "triton"):
+        for out_dtype in (torch.float32, torch.bfloat16):
+            ms = bench_ms(lambda b=backend, o=out_dtype: fp8_grouped_wgrad(
+                dyqt, aqt, tiles, out_dtype=o, backend=b))  # fmt: skip
+            line += f" | {backend} fp8 {str(out_dtype)[6:]} {flops / ms / 1e9:6.0f}"
+            line += f" ({bf16_w / ms:.2f}x)"
+    print(line)
 
 
 def grouped_gemms(name: str, num_tokens: int, skewed: bool) -> None:
@@ -473,7 +485,8 @@ def main() -> None:
     print(torch.cuda.get_device_name(), torch.__version__)
     copy_gbs = copy_bandwidth()
     print(f"copy bandwidth (read + write): {copy_gbs:.0f} GB/s")
-    print("cuBLAS blockwise _scaled_mm works:", fp8_gemm._scaled_mm_works(0))
+    for recipe in fp8_gemm.SCALED_MM_RECIPES:
+        print(f"cuBLAS blockwise _scaled_mm {recipe} works:", fp8_gemm._scaled_mm_works(0, recipe))
     print("probe errors:", fp8_gemm.SCALED_MM_PROBE_ERRORS)
     named = [
         ("sweep", sweep),

@@ -26,9 +26,11 @@ the environment variable ``MT_OPS_FP8_BACKEND``):
   used for dense GEMMs through ``deep_gemm.fp8_gemm_nt``; grouped products use Triton.
 - ``"torch"``: cuBLAS blockwise-scaled ``torch._scaled_mm`` for dense fprop/dgrad with
   K a multiple of 512, once a one-time probe finds that it runs and computes right (on the
-  H200, 16384×4096×4096: 1.1 PFLOP/s, 1.67× BF16 and 1.41× our Triton kernel); our Triton
-  kernels for other dense shapes, grouped products and wgrad (PyTorch's grouped FP8 path
-  is rowwise only).
+  H200, 16384×4096×4096: 1.1 PFLOP/s, 1.67× BF16 and 1.41× our Triton kernel), and for
+  the dense wgrad (one group; both operands 1×128 along the tokens, its own probe; H200,
+  16k tokens: 1.43-1.83× our Triton kernel, e.g. 4096×2048 in 276 against 412 us); our
+  Triton kernels for other dense shapes and for grouped products (PyTorch's grouped FP8
+  path is rowwise only).
 - ``"triton"``: our Triton kernels for everything.
 - ``"emulation"``: dequantize + fp32 matmul (the CPU default).
 """
@@ -327,27 +329,41 @@ def _grouped_gemm_triton(a, b, tiles, out_dtype, second=None):
 SCALED_MM_PROBE_ERRORS: list[str] = []
 
 
+# The two cuBLAS blockwise recipes of the "torch" backend: 1×128 row tiles of A times a
+# 128×128-block weight (fprop, dgrad), and 1×128 tiles along K on both sides (dense wgrad:
+# the transposed token tiles of dy and x).
+SCALED_MM_RECIPES = ("1x128,128x128", "1x128,1x128")
+
+
 @cache
-def _scaled_mm_works(device_index: int) -> bool:
-    """Whether cuBLAS blockwise ``_scaled_mm`` runs and computes right here (checked once)."""
+def _scaled_mm_works(device_index: int, recipe: str = "1x128,128x128") -> bool:
+    """Whether cuBLAS blockwise ``_scaled_mm`` runs ``recipe`` and computes right here
+    (checked once per device and recipe; failures are logged and kept in
+    ``SCALED_MM_PROBE_ERRORS``)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     dev = torch.device("cuda", device_index)
     a = (torch.randn(256, 512, device=dev, generator=gen) * 8).to(torch.float8_e4m3fn)
     b = (torch.randn(256, 512, device=dev, generator=gen) * 8).to(torch.float8_e4m3fn)
     sa = torch.exp2(torch.randint(-3, 3, (256, 4), device=dev, generator=gen).float())
-    sb = torch.exp2(torch.randint(-3, 3, (2, 4), device=dev, generator=gen).float())
-    expected = dequantize_1x128(Fp8Quantized(a, sa)) @ dequantize_128x128(Fp8Quantized(b, sb)).T
+    weight_blocks = recipe == "1x128,128x128"
+    sb_shape = (2, 4) if weight_blocks else (256, 4)
+    sb = torch.exp2(torch.randint(-3, 3, sb_shape, device=dev, generator=gen).float())
+    b_full = (dequantize_128x128 if weight_blocks else dequantize_1x128)(Fp8Quantized(b, sb))
+    expected = dequantize_1x128(Fp8Quantized(a, sa)) @ b_full.T
     try:
-        got = _scaled_mm_call(a, sa, b, sb, torch.float32)
+        if weight_blocks:
+            got = _scaled_mm_call(a, sa, b, sb, torch.float32)
+        else:  # the wgrad operands' scales are tile-major: [K blocks, rows]
+            got = _scaled_mm_tiles_call(a, sa.T.contiguous(), b, sb.T.contiguous(), torch.float32)
     except RuntimeError as err:
-        _log.info("torch._scaled_mm blockwise failed: %s", err)
-        SCALED_MM_PROBE_ERRORS.append(str(err)[:300])
+        _log.info("torch._scaled_mm blockwise %s failed: %s", recipe, err)
+        SCALED_MM_PROBE_ERRORS.append(f"{recipe}: {str(err)[:300]}")
         return False
     err = float((got - expected).norm() / expected.norm())
     if err < 1e-3:  # a wrong layout is off by O(1); FP8 tensor-core accumulation ~1e-4
         return True
-    _log.info("torch._scaled_mm blockwise: wrong result (%.2e)", err)
-    SCALED_MM_PROBE_ERRORS.append(f"relative error {err:.2e}")
+    _log.info("torch._scaled_mm blockwise %s: wrong result (%.2e)", recipe, err)
+    SCALED_MM_PROBE_ERRORS.append(f"{recipe}: relative error {err:.2e}")
     return False
 
 
@@ -369,6 +385,25 @@ def _dense_torch(a, b, out_dtype):
     return _scaled_mm_call(
         a.data, scale_to_float(a.scale), b.data[0], scale_to_float(b.scale[0]), out_dtype
     )
+
+
+def _scaled_mm_tiles_call(a, sa_KbN, b, sb_KbK, out_dtype):
+    # Both operands 1×128 along the contraction dim: cuBLAS takes A's scales M-major (the
+    # transpose view of our tile-major [Kb, N]) and B's as the [Kb, K] tensor itself.
+    return torch._scaled_mm(a, b.T, scale_a=sa_KbN.T, scale_b=sb_KbK, out_dtype=out_dtype)
+
+
+def _wgrad_torch(a_t, b_t, out, out_dtype):
+    """Dense (one group) wgrad on cuBLAS, or None where the recipe or shape does not fit."""
+    n_dim, k_dim = a_t.data.shape[0], b_t.data.shape[0]
+    if n_dim % 16 or k_dim % 16 or not _scaled_mm_works(a_t.data.device.index or 0, "1x128,1x128"):
+        return None
+    # Unused tile slots hold zeros (scale 1), so the padded contraction adds nothing.
+    result = _scaled_mm_tiles_call(
+        a_t.data, scale_to_float(a_t.scale), b_t.data, scale_to_float(b_t.scale),
+        torch.float32 if out is not None else out_dtype,
+    )  # fmt: skip
+    return result.unsqueeze(0) if out is None else out.add_(result)
 
 
 def _dense_deepgemm(a, b, out_dtype):
@@ -624,6 +659,10 @@ def fp8_grouped_wgrad(
         if out is None:
             return result.to(out_dtype)
         return out.add_(result)
+    if num_groups == 1 and choice == "torch":
+        result = _wgrad_torch(a_t, b_t, out, out_dtype)
+        if result is not None:
+            return result
     n_dim, k_dim = a_t.data.shape[0], b_t.data.shape[0]
     accumulate = out is not None
     if out is None:
