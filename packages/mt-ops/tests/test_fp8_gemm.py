@@ -230,6 +230,24 @@ def test_gpu_fp8_gemms_equal_emulation_up_to_output_rounding(backend, scale_form
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="needs a Hopper GPU (where both cuBLAS recipes are known to work)",
+)
+def test_gpu_scaled_mm_probe_passes_when_first_asked_under_autocast():
+    # The trainer's first FP8 GEMM runs inside an autocast forward; the probe's fp32
+    # reference product must not be computed in BF16 there, or cuBLAS is never used.
+    gemm_module._scaled_mm_works.cache_clear()
+    try:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            for recipe in gemm_module.SCALED_MM_RECIPES:
+                works = gemm_module._scaled_mm_works(0, recipe)
+                assert works, gemm_module.SCALED_MM_PROBE_ERRORS
+    finally:
+        gemm_module._scaled_mm_works.cache_clear()
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_grouped_gemm_sum_equals_emulation_up_to_accumulation():
     p = _problem([0, 300, 17, 0, 700, 1], 768, 2048, device="cuda")
