@@ -215,6 +215,21 @@ def test_corrupt_zstd_data_is_reported_not_raised(tmp_path):
     assert "corrupt zstandard data" in summary.bad_lines[0].reason
 
 
+def test_a_line_nested_too_deeply_for_json_is_a_malformed_line_not_a_crash(tmp_path, tokenizer):
+    path = tmp_path / "deep.jsonl"
+    deep = "[" * 100_000  # json.loads raises RecursionError, not JSONDecodeError
+    path.write_text(f'{{"text": "a"}}\n{deep}\n{{"text": "b"}}\n')
+    summary = build_corpus([path], default_tokenizer_path(), tmp_path / "out", workers=0,
+                           progress=False)  # fmt: skip
+    assert summary.bad_lines_by_kind == {"malformed_json": 1}
+    assert str(summary.bad_lines[0]).startswith(f"{path}:2: malformed JSON")
+    shard = IndexedDataset(tmp_path / "out" / "deep")
+    assert [shard[i].tolist() for i in range(len(shard))] == _expected(tokenizer, ["a", "b"])
+    with pytest.raises(CorpusError, match=rf"{path}:2: malformed JSON"):
+        build_corpus([path], default_tokenizer_path(), tmp_path / "out2", workers=0,
+                     on_error="fail", progress=False)  # fmt: skip
+
+
 def test_cli_fail_mode_on_a_truncated_zstd_exits_nonzero_without_traceback_or_shard(tmp_path):
     data = _zstd(_documents(30_000))
     path = tmp_path / "cut.jsonl.zst"

@@ -54,6 +54,8 @@ def _parse_line(raw: bytes, text_key: str) -> str | tuple[str, str]:
         record = json.loads(line)
     except json.JSONDecodeError as e:
         return "malformed_json", f"malformed JSON ({e.msg} at column {e.colno})"
+    except RecursionError:  # json's parser recurses once per nesting level
+        return "malformed_json", "malformed JSON (nested too deeply to parse)"
     if not isinstance(record, dict):
         return "not_an_object", f"expected a JSON object, got {type(record).__name__}"
     if text_key not in record:
