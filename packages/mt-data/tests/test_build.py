@@ -301,6 +301,29 @@ def test_a_changed_or_different_input_is_rebuilt_not_reused(tmp_path, tokenizer)
     assert tokenizer.tokenizer.decode(last[:-1]) == "appended = True"
 
 
+def test_a_rebuild_interrupted_after_its_record_is_redone_not_taken_for_the_old_shard(
+    tmp_path, tokenizer, monkeypatch
+):
+    from mt_data.indexed import IndexedDatasetWriter
+
+    path = write_jsonl(tmp_path / "in.jsonl", ["hello a"])
+    _build([path], tmp_path / "out")
+    write_jsonl(path, ["hello b"])  # the same documents and tokens, other ids
+    new = tokenizer.encode_documents(["hello b"])[0]
+    assert len(new) == len(IndexedDataset(tmp_path / "out" / "in")[0]) != 0
+
+    def interrupted(self):  # Ctrl-C while the new index is written, after the record
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(IndexedDatasetWriter, "_write_index_tail", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            _build([path], tmp_path / "out")
+    summary = _build([path], tmp_path / "out")
+    assert summary.num_resumed == 0
+    assert IndexedDataset(tmp_path / "out" / "in")[0].tolist() == new
+
+
 def test_shards_an_earlier_build_no_longer_lists_are_removed_and_never_read(tmp_path):
     from mt_data import TokenDataset
 

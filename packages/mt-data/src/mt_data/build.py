@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from mt_data.encode import EncodedBatch, encode_batch, init_worker, worker_encode_batch
-from mt_data.indexed import IndexedDatasetWriter, token_dtype
+from mt_data.indexed import IndexedDatasetWriter, fsync_directory, token_dtype
 from mt_data.manifest import (
     MANIFEST_NAME,
     RECORD_DIR,
@@ -218,6 +218,20 @@ def remove_stale_shards(out: Path, keep: set[str]) -> list[str]:
     return removed
 
 
+def _remove_old_index(prefix: Path) -> None:
+    """Remove the `.idx` an earlier build left at `prefix` before the shard is rebuilt.
+
+    The new build record is written before the new shard is renamed into place; were the
+    old index still there, a build interrupted in between (Ctrl-C while the index is
+    written, a full disk, a power cut) would leave the old shard beside a record of the
+    new input, which a rerun takes for finished when the counts happen to agree.
+    """
+    index = Path(f"{prefix}.idx")
+    if index.is_file():
+        index.unlink()
+        fsync_directory(prefix.parent)
+
+
 def _run_jobs(
     jobs: Sequence[tuple[Path, Path]],
     spec: TokenizerSpec,
@@ -251,6 +265,7 @@ def _run_jobs(
         path, prefix = jobs[index]
         if current is None:
             progress.describe(prefix.name)
+            _remove_old_index(prefix)
             summary = ShardSummary(name=prefix.name, input=str(path))
             writer = IndexedDatasetWriter(prefix, dtype)
             current = _OpenShard(
