@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import struct
 
 import numpy as np
@@ -71,6 +72,27 @@ def test_unfinished_writer_leaves_only_tmp_files(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.bin.tmp", "s.idx.tmp"]
     writer.finalize()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.bin", "s.idx"]
+
+
+def test_a_crash_between_the_renames_of_a_replaced_shard_leaves_no_shard_not_a_torn_one(
+    tmp_path, monkeypatch
+):
+    import mt_data.indexed as indexed
+
+    with IndexedDatasetWriter(tmp_path / "s", np.uint16) as writer:
+        writer.add_documents(np.arange(6), np.array([3, 3]))
+    replace = os.replace
+
+    def crash_before_the_index(src, dst):
+        if str(dst).endswith(".idx"):
+            raise KeyboardInterrupt  # the new .bin is in place, the new .idx is not
+        replace(src, dst)
+
+    monkeypatch.setattr(indexed.os, "replace", crash_before_the_index)
+    with pytest.raises(KeyboardInterrupt), IndexedDatasetWriter(tmp_path / "s", np.uint16) as w:
+        w.add_documents(np.arange(10, 16), np.array([2, 4]))  # same size, other lengths
+    with pytest.raises(FileNotFoundError, match="s.idx"):
+        IndexedDataset(tmp_path / "s")
 
 
 def test_writer_rejects_token_ids_that_do_not_fit_the_dtype(tmp_path):

@@ -24,9 +24,10 @@ pointers are contiguous (`pointer[i] = itemsize · Σ length[:i]`); it reads any
 Megatron-LM or NeMo wrote.
 
 Writes are crash-safe: `IndexedDatasetWriter` writes `<prefix>.bin.tmp` and
-`<prefix>.idx.tmp`, fsyncs both, renames them to their final names (`.bin` first,
-`.idx` last, so a final `.idx` means a finished shard) and fsyncs the directory. A power
-cut leaves either the old state or the finished shard, never a torn file that looks done.
+`<prefix>.idx.tmp`, fsyncs both, removes an older `<prefix>.idx`, renames them to their
+final names (`.bin` first, `.idx` last, so a final `.idx` means a finished shard) and
+fsyncs the directory. A power cut leaves the old shard, the finished one, or (replacing
+a shard, between the renames) a `.bin` without `.idx`, never a torn shard that looks done.
 """
 
 from __future__ import annotations
@@ -224,6 +225,9 @@ class IndexedDatasetWriter:
             self._bin_file.close()
             self._write_index_tail()
             # .bin first, .idx last: a final .idx (with its .bin) means a finished shard.
+            # An older .idx goes before its .bin is replaced: with the new .bin it would
+            # read as a shard with the old document lengths.
+            self.idx_path.unlink(missing_ok=True)
             os.replace(self._bin_tmp, self.bin_path)
             os.replace(self._idx_tmp, self.idx_path)
             fsync_directory(self.idx_path.parent)
