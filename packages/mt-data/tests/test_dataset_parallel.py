@@ -126,6 +126,20 @@ def test_a_weighted_mix_draws_from_each_corpus_in_proportion(mix):
     assert dataset.state_dict()["corpora"][1]["epoch"] == 25  # the small corpus repeats
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0.0, -1.0, "2"])
+def test_a_mix_weight_that_is_not_a_positive_finite_number_is_refused(mix, bad):
+    small = next(path for path in mix if path.name == "small")
+    with pytest.raises(ValueError, match=rf"weight of {small} .* positive finite number"):
+        TokenDataset({**mix, small: bad}, SEQ_LEN)
+
+
+def test_numpy_weights_mix_like_python_numbers(mix):
+    python = TokenDataset(mix, SEQ_LEN, seed=0)
+    numpy = TokenDataset({p: np.float32(w) for p, w in mix.items()}, SEQ_LEN, seed=0)
+    np.testing.assert_array_equal(numpy.take(40), python.take(40))
+    assert json.loads(json.dumps(numpy.state_dict())) == python.state_dict()
+
+
 def test_a_mix_splits_over_ranks_and_resumes_exactly(mix):
     single = TokenDataset(mix, SEQ_LEN, seed=5)
     expected = [single.take(8) for _ in range(6)]

@@ -9,6 +9,8 @@ on (t, n), which the reader's state holds.
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -59,7 +61,7 @@ def corpus_specs(data: Any) -> list[tuple[list[PathLike], float]]:
         `[(paths, weight)]`, one entry per corpus.
 
     Raises:
-        ValueError: If `data` is none of those, or a weight is not positive.
+        ValueError: If `data` is none of those, or a weight is not a positive finite number.
     """
     if isinstance(data, str | os.PathLike):
         return [([data], 1.0)]
@@ -69,8 +71,12 @@ def corpus_specs(data: Any) -> list[tuple[list[PathLike], float]]:
         specs = []
         for key, weight in data.items():
             paths = [key] if isinstance(key, str | os.PathLike) else list(key)
-            if isinstance(weight, bool) or not isinstance(weight, int | float) or weight <= 0:
-                raise ValueError(f"weight of {key} ({weight!r}) must be a positive number")
+            if (
+                isinstance(weight, bool)
+                or not isinstance(weight, numbers.Real)
+                or not 0 < weight < math.inf  # NaN too: it compares false
+            ):
+                raise ValueError(f"weight of {key} ({weight!r}) must be a positive finite number")
             specs.append((paths, float(weight)))
         return specs
     if isinstance(data, Sequence) and data:
