@@ -252,6 +252,18 @@ def test_directories_and_globs_expand_and_same_stems_get_unique_names(tmp_path):
     assert summary.num_documents == 3
 
 
+def test_an_input_named_only_by_its_suffix_gets_a_shard_inside_the_output(tmp_path):
+    from mt_data import TokenDataset
+
+    write_jsonl(tmp_path / "in" / ".jsonl", TEXTS_A)  # stem "": the shard was out.bin/.idx
+    write_jsonl(tmp_path / "in" / "..jsonl", TEXTS_B)  # stem ".": the same
+    summary = _build([tmp_path / "in"], tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "out"]
+    assert sorted(s.name for s in summary.shards) == ["..jsonl", ".jsonl"]
+    assert TokenDataset(tmp_path / "out", seq_len=4).num_tokens == summary.num_tokens
+    assert _build([tmp_path / "in"], tmp_path / "out").num_resumed == 2
+
+
 def test_build_documents_writes_one_shard_and_skips_empty_documents(tmp_path, tokenizer):
     summary = build_documents(["a b", "", "c"], tokenizer, tmp_path / "docs")
     assert (summary.documents, summary.empty_documents) == (2, 1)

@@ -161,7 +161,8 @@ class BuildSummary:
 
 
 def shard_names(files: Sequence[Path]) -> list[str]:
-    """`<stem>` per file; stems shared by several inputs get a hash of the full path.
+    """`<stem>` per file; stems shared by several inputs get a hash of the full path, and a
+    file without a stem (`.jsonl`) is named by its whole file name.
 
     Args:
         files: Input files.
@@ -169,7 +170,8 @@ def shard_names(files: Sequence[Path]) -> list[str]:
     Returns:
         One shard name per file.
     """
-    stems = [input_stem(f) for f in files]
+    # A file named `.jsonl` has no stem; "" or "." would name the output directory itself.
+    stems = [input_stem(f) if input_stem(f).strip(".") else f.name for f in files]
     counts: dict[str, int] = {}
     for stem in stems:
         counts[stem] = counts.get(stem, 0) + 1
