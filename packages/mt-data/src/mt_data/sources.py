@@ -215,14 +215,19 @@ def _iter_jsonl_batches(path: Path) -> Iterator[RawBatch | ReadFailure]:
     line = 1
     lines: list[bytes] = []
     size = 0
-    carry = b""
+    # The unfinished last line, in pieces, joined once its end arrives: a line spanning
+    # many reads is copied once, not once per read (which was quadratic in its length).
+    carry: list[bytes] = []
     with open(path, "rb") as raw:
         chunks = (_zstd_chunks if compressed else _plain_chunks)(raw, on_read)
         try:
             for chunk in chunks:
-                pieces = (carry + chunk).split(b"\n")
-                carry = pieces.pop()
-                lines.extend(pieces)
+                pieces = chunk.split(b"\n")
+                if len(pieces) > 1:
+                    lines.append(b"".join([*carry, pieces[0]]))
+                    lines.extend(pieces[1:-1])
+                    carry = []
+                carry.append(pieces[-1])
                 size += len(chunk)
                 if size >= BATCH_BYTES:
                     yield RawBatch(line, lines, "jsonl", consumed)
@@ -240,8 +245,8 @@ def _iter_jsonl_batches(path: Path) -> Iterator[RawBatch | ReadFailure]:
             bad = BadLine(str(path), line, "corrupt_input", f"{reason}; the rest is unread")
             yield ReadFailure(bad)
             return
-    if carry:
-        lines.append(carry)
+    if tail := b"".join(carry):
+        lines.append(tail)
     if lines or consumed:
         yield RawBatch(line, lines, "jsonl", consumed)
 
