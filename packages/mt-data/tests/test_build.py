@@ -336,6 +336,29 @@ def test_a_rebuild_interrupted_after_its_record_is_redone_not_taken_for_the_old_
     assert IndexedDataset(tmp_path / "out" / "in")[0].tolist() == new
 
 
+def test_an_interrupted_rebuild_of_a_corpus_without_build_records_is_refused_by_readers(
+    tmp_path, monkeypatch
+):
+    import shutil
+
+    from mt_data import TokenDataset
+    from mt_data.indexed import IndexedDatasetWriter
+
+    a = write_jsonl(tmp_path / "a.jsonl", TEXTS_A)
+    b = write_jsonl(tmp_path / "b.jsonl", TEXTS_B)
+    _build([a, b], tmp_path / "out")
+    shutil.rmtree(tmp_path / "out" / ".mt-data")  # as an mt-data without build records left it
+
+    def interrupted(self, tokens, lengths):  # Ctrl-C while shard a is written
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(IndexedDatasetWriter, "add_documents", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _build([a, b], tmp_path / "out")  # no records: both shards are rewritten
+    with pytest.raises(ValueError, match="has not finished"):  # not shard b alone
+        TokenDataset(tmp_path / "out", seq_len=4)
+
+
 def test_shards_an_earlier_build_no_longer_lists_are_removed_and_never_read(tmp_path):
     from mt_data import TokenDataset
 

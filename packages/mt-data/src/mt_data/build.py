@@ -228,6 +228,10 @@ def _remove_old_index(prefix: Path) -> None:
     """
     index = Path(f"{prefix}.idx")
     if index.is_file():
+        # The record directory marks an unfinished build (readers refuse the directory
+        # until its manifest is written); a directory built before records existed has
+        # none, and without one the remaining shards would read as a whole corpus.
+        (prefix.parent / RECORD_DIR).mkdir(exist_ok=True)
         index.unlink()
         fsync_directory(prefix.parent)
 
