@@ -448,3 +448,19 @@ def test_save_hf_shards_get_the_mode_of_config_json_not_0600(build_debug_model, 
     assert len(shards) > 1
     for shard in shards:
         assert shard.stat().st_mode & 0o777 == config_mode, shard.name
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2"])
+def test_load_hf_refuses_a_hidden_act_other_than_silu_instead_of_running_silu(
+    build_debug_model, tmp_path, family
+):
+    # transformers applies ACT2FN[hidden_act] in these families' MLPs and experts; ours
+    # are SiLU only, so a gelu checkpoint used to load into a different function silently.
+    save_hf(build_debug_model(family=family), tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    for name in ("silu", "swish"):
+        (tmp_path / "config.json").write_text(json.dumps({**data, "hidden_act": name}))
+        load_hf(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**data, "hidden_act": "gelu"}))
+    with pytest.raises(ValueError, match=r"hidden_act \('gelu'\) is not supported"):
+        load_hf(tmp_path)

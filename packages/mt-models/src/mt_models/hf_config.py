@@ -5,7 +5,8 @@ Reads both RoPE spellings: the current ``rope_parameters`` dict (with ``rope_the
 type key may be ``type`` or ``rope_type``). Writes both (they agree). Keys the family does
 not use (``bos_token_id``, ``use_cache``, ...) are dropped on import; a few Hub aliases are
 mapped (Qwen3's ``num_local_experts`` as written by transformers 5; DeepSeek's
-``aux_loss_alpha`` and ``seq_aux``).
+``aux_loss_alpha`` and ``seq_aux``). A ``hidden_act`` other than SiLU (Qwen3-MoE,
+DeepSeek-V2) is refused: dropping it would load the weights into a different function.
 """
 
 import dataclasses
@@ -17,6 +18,13 @@ from mt_models.registry import MODEL_FAMILIES
 
 # transformers' RoPE base when a config.json names none.
 DEFAULT_ROPE_THETA = {"qwen3_moe": 10000.0, "deepseek_v2": 10000.0, "gpt_oss": 150000.0}
+
+# Families whose transformers MLPs and experts apply ``ACT2FN[config.hidden_act]``; ours
+# are SwiGLU (SiLU) only. GPT-OSS's transformers code ignores ``hidden_act`` (its experts
+# are the clamped SwiGLU of ``swiglu_alpha``/``swiglu_limit``).
+_HIDDEN_ACT_FAMILIES = ("qwen3_moe", "deepseek_v2")
+# ACT2FN names of SiLU.
+_SILU_NAMES = ("silu", "swish")
 
 # Family name → the transformers architecture class that loads it.
 ARCHITECTURES = {
@@ -110,6 +118,13 @@ def config_from_hf(data: dict[str, Any]) -> Any:
     config_cls = MODEL_FAMILIES[family][0]
     data = dict(data)
     _check_required(family, config_cls, data)
+    hidden_act = data.get("hidden_act")
+    if family in _HIDDEN_ACT_FAMILIES and hidden_act not in (None, *_SILU_NAMES):
+        raise ValueError(
+            f"config.json hidden_act ({hidden_act!r}) is not supported: {family}'s MLPs and "
+            f"experts here are SwiGLU, silu(gate) * up; only {_SILU_NAMES} load as the "
+            "checkpoint was trained"
+        )
     theta, scaling, found = _split_rope(data)
     data["rope_theta"] = DEFAULT_ROPE_THETA[family] if theta is None else theta
     if found:
