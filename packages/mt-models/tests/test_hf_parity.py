@@ -254,3 +254,26 @@ def test_gpt_oss_without_a_window_exports_full_attention_that_transformers_runs_
             ref_logits = reference(ids, use_cache=use_cache).logits
             assert (ref_logits - logits).abs().max().item() <= 1e-4, use_cache
         assert torch.equal(load_hf(tmp_path)(ids), logits)  # and back: the same function
+
+
+def test_deepseek_without_shared_experts_loads_from_and_exports_to_transformers(hf, tmp_path):
+    # transformers builds DeepSeek-V2's shared_experts with intermediate size 0 when
+    # n_shared_experts is 0 and saves its empty weights; load_hf refused them as unexpected.
+    import transformers
+
+    # (With mlp_bias its down_proj.bias [D] is not empty: a constant shared output our model
+    # does not hold, still refused as unexpected.)
+    kwargs = dict(CASES["deepseek_no_q_lora_greedy_biases"][1], n_shared_experts=0, mlp_bias=False)
+    reference = hf.model("deepseek_v2", seed=6, **_hf_config("deepseek_v2", kwargs))
+    reference.save_pretrained(tmp_path / "hf")
+    ours = load_hf(tmp_path / "hf")
+    assert not any("shared_experts" in name for name, _ in ours.named_parameters())
+    ids, _ = _inputs(4)
+    with torch.no_grad():
+        ref_logits = reference(ids).logits
+        assert (ours(ids) - ref_logits).abs().max().item() <= 1e-4
+        save_hf(ours, tmp_path / "ours")
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path / "ours", attn_implementation="eager"
+        )
+        assert (reloaded(ids).logits - ref_logits).abs().max().item() <= 1e-4

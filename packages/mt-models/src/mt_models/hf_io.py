@@ -10,6 +10,7 @@ MXFP4 ``_blocks``/``_scales`` (dequantized on import, ``mxfp4.py``).
 """
 
 import json
+import math
 import os
 import re
 from contextlib import ExitStack
@@ -319,7 +320,14 @@ class _HubCheckpoint:
             for name in _checkpoint_files(path)
         }
         self.headers = _read_headers(path, self.handles)
-        self.hub_tensors = _hub_tensors(self.headers)
+        # Tensors of no values carry nothing to load: transformers' DeepSeek-V2 always builds
+        # its shared_experts MLP, of intermediate size 0 when n_shared_experts is 0, and
+        # saves those empty weights; our model has no such module.
+        self.hub_tensors = {
+            key: hub_tensor
+            for key, hub_tensor in _hub_tensors(self.headers).items()
+            if math.prod(hub_tensor.shape) > 0
+        }
         if self.config.tie_word_embeddings:
             self.hub_tensors.pop("lm_head.weight", None)  # tied: never read
 
