@@ -277,3 +277,26 @@ def test_deepseek_without_shared_experts_loads_from_and_exports_to_transformers(
             tmp_path / "ours", attn_implementation="eager"
         )
         assert (reloaded(ids).logits - ref_logits).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("null_form", [None, {}])
+def test_gpt_oss_config_with_null_rope_scaling_gets_transformers_default_yarn(
+    null_form, hf, tmp_path
+):
+    # transformers reads a null (or empty) rope_scaling as "not set": GPT-OSS's default
+    # YaRN. load_hf built plain RoPE from it.
+    kwargs = dict(CASES["gpt_oss_yarn_untruncated_alternating_windows_sinks"][1])
+    del kwargs["rope_parameters"]  # transformers' default YaRN
+    reference = hf.model("gpt_oss", seed=7, **_hf_config("gpt_oss", kwargs))
+    assert reference.config.rope_parameters["rope_type"] == "yarn"
+    reference.save_pretrained(tmp_path)
+    config_path = tmp_path / "config.json"
+    data = json.loads(config_path.read_text())
+    data["rope_theta"] = data.pop("rope_parameters")["rope_theta"]
+    data["rope_scaling"] = null_form
+    config_path.write_text(json.dumps(data))
+    ours = load_hf(tmp_path)
+    assert ours.config.rope_scaling["rope_type"] == "yarn"
+    ids, _ = _inputs(5)
+    with torch.no_grad():
+        assert (ours(ids) - reference(ids).logits).abs().max().item() <= 1e-4

@@ -64,8 +64,10 @@ def _split_rope(data: dict[str, Any]) -> tuple[float | None, dict | None, bool]:
         theta = params.get("rope_theta", data.get("rope_theta"))
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
         return theta, scaling, True
+    # A null or empty rope_scaling is no RoPE setting at all, as transformers reads it: the
+    # family default applies (GPT-OSS's YaRN, not plain RoPE).
     scaling = data.get("rope_scaling")
-    return data.get("rope_theta"), dict(scaling) if scaling else None, "rope_scaling" in data
+    return data.get("rope_theta"), dict(scaling) if scaling else None, bool(scaling)
 
 
 def _clean_scaling(scaling: dict | None) -> dict | None:
@@ -129,6 +131,8 @@ def config_from_hf(data: dict[str, Any]) -> Any:
     data["rope_theta"] = DEFAULT_ROPE_THETA[family] if theta is None else theta
     if found:
         data["rope_scaling"] = _clean_scaling(scaling)
+    else:
+        data.pop("rope_scaling", None)  # null or {}: the family's default
     if family == "qwen3_moe":
         if "num_experts" not in data and "num_local_experts" in data:
             data["num_experts"] = data["num_local_experts"]
