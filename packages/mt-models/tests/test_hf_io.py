@@ -361,6 +361,11 @@ _MISMATCHES = {
         lambda t: t.update({_DOWN: t[_DOWN][:, :-1]}),
         r"experts.0.down_proj.weight: checkpoint shape \(128, 95\) != model shape \(128, 96\)",
     ),
+    # A _scales key with no _blocks partner was dropped unread and unreported.
+    "mxfp4_scales_without_blocks": (
+        lambda t: t.update({"model.layers.0.self_attn.o_proj.weight_scales": torch.ones(2)}),
+        r"unexpected \['model.layers.0.self_attn.o_proj.weight_scales'\]",
+    ),
     "mxfp4_blocks_without_scales": (
         lambda t: t.update({_DOWN + "_blocks": torch.zeros(8, 128, 3, 16, dtype=torch.uint8)}),
         f"{_DOWN}_blocks has no matching {_DOWN}_scales",

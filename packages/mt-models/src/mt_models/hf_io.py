@@ -139,8 +139,8 @@ def _hub_tensors(headers: dict[str, _Stored]) -> dict[str, _HubTensor]:
     """
     out = {}
     for key, stored in headers.items():
-        if key.endswith("_scales"):
-            continue
+        if key.endswith("_scales") and key[: -len("_scales")] + "_blocks" in headers:
+            continue  # read with its _blocks; a lone _scales stands alone (and is unexpected)
         if not key.endswith("_blocks"):
             out[key] = _HubTensor(key, stored.shape, key)
             continue
