@@ -300,3 +300,48 @@ def test_gpt_oss_config_with_null_rope_scaling_gets_transformers_default_yarn(
     ids, _ = _inputs(5)
     with torch.no_grad():
         assert (ours(ids) - reference(ids).logits).abs().max().item() <= 1e-4
+
+
+MINIMAL_CONFIGS = {  # only the fields load_hf requires, plus YaRN without its lengths
+    "qwen3_moe": dict(
+        intermediate_size=64,
+        moe_intermediate_size=24,
+        num_key_value_heads=2,
+        num_experts=4,
+        head_dim=64,
+        rope_scaling={"type": "yarn", "factor": 4.0},
+    ),
+    "deepseek_v2": dict(intermediate_size=64, moe_intermediate_size=24, n_routed_experts=4),
+    "gpt_oss": dict(intermediate_size=24, num_key_value_heads=2, num_local_experts=4),
+}
+
+
+@pytest.mark.parametrize("family", sorted(MINIMAL_CONFIGS))
+def test_fields_a_config_json_leaves_out_mean_what_transformers_makes_of_them(family, hf, tmp_path):
+    # Our dataclass defaults differ from transformers' in a few fields (Qwen3's
+    # max_position_embeddings, which YaRN reads without original_max_position_embeddings;
+    # DeepSeek's q_lora_rank and n_shared_experts; GPT-OSS's head_dim): load_hf built
+    # another architecture from a config.json that leaves them out.
+    import transformers
+
+    minimal = {
+        "model_type": family,
+        "vocab_size": VOCAB,
+        "hidden_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_experts_per_tok": 2,
+        **MINIMAL_CONFIGS[family],
+    }
+    (tmp_path / "config.json").write_text(json.dumps(minimal))
+    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    reference = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager"
+    ).float()
+    hf.randomize(reference, seed=8)
+    reference.save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(minimal))
+    ours = load_hf(tmp_path)
+    ids, _ = _inputs(6)
+    with torch.no_grad():
+        assert (ours(ids) - reference(ids).logits).abs().max().item() <= 1e-4

@@ -5,8 +5,10 @@ Reads both RoPE spellings: the current ``rope_parameters`` dict (with ``rope_the
 type key may be ``type`` or ``rope_type``). Writes both (they agree). Keys the family does
 not use (``bos_token_id``, ``use_cache``, ...) are dropped on import; a few Hub aliases are
 mapped (Qwen3's ``num_local_experts`` as written by transformers 5; DeepSeek's
-``aux_loss_alpha`` and ``seq_aux``). A ``hidden_act`` other than SiLU (Qwen3-MoE,
-DeepSeek-V2) is refused: dropping it would load the weights into a different function.
+``aux_loss_alpha`` and ``seq_aux``). A field the file leaves out means what transformers
+makes of it (``HF_ABSENT_DEFAULTS`` where our dataclass defaults differ). A ``hidden_act``
+other than SiLU (Qwen3-MoE, DeepSeek-V2) is refused: dropping it would load the weights
+into a different function.
 """
 
 import dataclasses
@@ -25,6 +27,15 @@ DEFAULT_ROPE_THETA = {"qwen3_moe": 10000.0, "deepseek_v2": 10000.0, "gpt_oss": 1
 _HIDDEN_ACT_FAMILIES = ("qwen3_moe", "deepseek_v2")
 # ACT2FN names of SiLU.
 _SILU_NAMES = ("silu", "swish")
+
+# transformers' values of fields a config.json may leave out, where our dataclass defaults
+# (for Python callers and presets) differ: an absent field means what transformers makes of
+# it. (A null head_dim is derived, hidden_size // num_attention_heads, as transformers does.)
+HF_ABSENT_DEFAULTS = {
+    "qwen3_moe": {"max_position_embeddings": 32768, "sliding_window": 4096},
+    "deepseek_v2": {"q_lora_rank": 1536, "n_shared_experts": 2},
+    "gpt_oss": {"head_dim": 64},
+}
 
 # Family name → the transformers architecture class that loads it.
 ARCHITECTURES = {
@@ -127,6 +138,8 @@ def config_from_hf(data: dict[str, Any]) -> Any:
             f"experts here are SwiGLU, silu(gate) * up; only {_SILU_NAMES} load as the "
             "checkpoint was trained"
         )
+    for key, value in HF_ABSENT_DEFAULTS[family].items():
+        data.setdefault(key, value)
     theta, scaling, found = _split_rope(data)
     data["rope_theta"] = DEFAULT_ROPE_THETA[family] if theta is None else theta
     if found:
