@@ -106,3 +106,16 @@ def test_every_family_is_registered_and_exposes_num_experts():
         assert type(config) is config_cls and config.num_experts == 8
         with torch.device("meta"):
             assert type(build_model(config)) is model_cls
+
+
+def test_deepseek_yarn_with_mscale_all_dim_and_no_factor_is_refused_naming_the_factor():
+    # MLA's softmax-scale correction needs the factor: such a config used to pass
+    # validation and then fail building the model with a bare KeyError('factor').
+    from mt_models.deepseek_v2 import debug as deepseek_debug
+
+    yarn = {"rope_type": "yarn", "mscale_all_dim": 0.707, "original_max_position_embeddings": 64}
+    with pytest.raises(ValueError, match="sets mscale_all_dim but no factor"):
+        dataclasses.replace(deepseek_debug(), rope_scaling=yarn)
+    config = dataclasses.replace(deepseek_debug(), rope_scaling={**yarn, "factor": 4.0})
+    with torch.device("meta"):
+        build_model(config)

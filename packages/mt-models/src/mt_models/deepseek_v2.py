@@ -160,6 +160,14 @@ class DeepseekV2Config:
                 f"[0, num_hidden_layers={self.num_hidden_layers}]"
             )
         check_rope(self)
+        scaling = self.rope_scaling or {}
+        scaled = scaling.get("rope_type", "default") != "default"
+        if scaled and scaling.get("mscale_all_dim") and scaling.get("factor") is None:
+            raise ValueError(
+                f"rope_scaling ({scaling}) sets mscale_all_dim but no factor: MLA's softmax "
+                "scale is corrected by mscale(factor, mscale_all_dim)^2; add the factor "
+                "(the context extension, e.g. 40)"
+            )
         check_router_losses(self)
 
     @property
