@@ -345,3 +345,19 @@ def test_fields_a_config_json_leaves_out_mean_what_transformers_makes_of_them(fa
     ids, _ = _inputs(6)
     with torch.no_grad():
         assert (ours(ids) - reference(ids).logits).abs().max().item() <= 1e-4
+
+
+def test_qwen3_use_sliding_window_with_a_null_window_loads_as_full_attention(hf, tmp_path):
+    # transformers reads use_sliding_window true with "sliding_window": null as no window;
+    # load_hf refused it (sliding_window (None) must be >= 1 when use_sliding_window).
+    kwargs = dict(CASES["qwen3_unnormalized_topk_sparse_step_2_tied_attention_bias_linear_rope"][1])
+    reference = hf.model("qwen3_moe", seed=9, **_hf_config("qwen3_moe", kwargs))
+    reference.save_pretrained(tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    data.update(use_sliding_window=True, sliding_window=None)
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    ours = load_hf(tmp_path)
+    assert ours.config.window is None
+    ids, _ = _inputs(7)
+    with torch.no_grad():
+        assert (ours(ids) - reference(ids).logits).abs().max().item() <= 1e-4

@@ -151,6 +151,9 @@ def config_from_hf(data: dict[str, Any]) -> Any:
             data["num_experts"] = data["num_local_experts"]
         if data.get("head_dim") is None:
             data["head_dim"] = data["hidden_size"] // data["num_attention_heads"]
+        if data.get("use_sliding_window") and data.get("sliding_window") is None:
+            # transformers runs full causal attention on a null window
+            data["use_sliding_window"] = False
     if family == "deepseek_v2":
         if "aux_loss_alpha" in data and "router_aux_loss_coef" not in data:
             data["router_aux_loss_coef"] = data["aux_loss_alpha"]
