@@ -469,3 +469,20 @@ def test_load_hf_refuses_a_hidden_act_other_than_silu_instead_of_running_silu(
     (tmp_path / "config.json").write_text(json.dumps({**data, "hidden_act": "gelu"}))
     with pytest.raises(ValueError, match=r"hidden_act \('gelu'\) is not supported"):
         load_hf(tmp_path)
+
+
+@pytest.mark.parametrize("spelling", ["top_level", "rope_parameters"])
+def test_load_hf_refuses_partial_rotary_factor_in_either_spelling(
+    build_debug_model, tmp_path, spelling
+):
+    # transformers moves a top-level partial_rotary_factor into rope_parameters and rotates
+    # only part of each head; load_hf dropped the top-level one silently (full RoPE).
+    save_hf(build_debug_model(), tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    if spelling == "top_level":
+        data["partial_rotary_factor"] = 0.5
+    else:
+        data["rope_parameters"]["partial_rotary_factor"] = 0.5
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"partial_rotary_factor \(0.5\) is not supported"):
+        load_hf(tmp_path)

@@ -140,6 +140,9 @@ def config_from_hf(data: dict[str, Any]) -> Any:
         )
     for key, value in HF_ABSENT_DEFAULTS[family].items():
         data.setdefault(key, value)
+    partial = data.get("partial_rotary_factor")
+    if partial is not None and partial != 1.0:  # the top-level spelling transformers reads too
+        raise ValueError(f"partial_rotary_factor ({partial}) is not supported")
     theta, scaling, found = _split_rope(data)
     data["rope_theta"] = DEFAULT_ROPE_THETA[family] if theta is None else theta
     if found:
