@@ -75,6 +75,37 @@ def test_a_signal_after_a_boundarys_agreement_stops_at_the_next_agreed_boundary(
     assert _steps(tmp_path) == [4]
 
 
+def test_a_repeated_signal_during_the_final_save_is_ignored_and_the_save_completes(
+    tmp_path, monkeypatch
+):
+    # A worker often gets SIGTERM twice (the scheduler's, then torchrun's forward). The
+    # stop's save runs after the loop; the second signal arriving there must meet the
+    # loop's handler (which ignores repeats), not the one from before the run (by default
+    # SIGTERM kills the process, leaving the save half-written).
+    real_train_step, real_save = train_module.train_step, train_module._save
+    outside = []
+
+    def train_step_then_signal(state, microbatches, *args):
+        out = real_train_step(state, microbatches, *args)
+        if state.step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    def save_after_a_second_signal(state, writer):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real_save(state, writer)
+
+    monkeypatch.setattr(train_module, "train_step", train_step_then_signal)
+    monkeypatch.setattr(train_module, "_save", save_after_a_second_signal)
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: outside.append(signum))
+    try:
+        stopped = pretrain(_cfg(tmp_path, "training.max_steps=50", "checkpoint.interval=0"))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert outside == [], "the second SIGTERM reached the handler from before the run"
+    assert stopped.step == 3 and _steps(tmp_path) == [3]
+
+
 def _plant_nan_at(monkeypatch, bad_step):
     real_clip = train_module.clip_grad_norm
     calls = {"n": 0}

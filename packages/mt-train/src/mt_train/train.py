@@ -610,9 +610,11 @@ def pretrain(cfg: JobConfig, *, stream: TextIO | None = None) -> TrainState:
                 if interval and state.step % interval == 0:
                     _save(state, writer)
                     last_saved = state.step
-        if state.step != last_saved:
-            _save(state, writer)
-        _finish_pending_save(writer)
+            # Still under the handlers: a repeated SIGTERM (the scheduler's, then
+            # torchrun's forward) during this save must not kill it half-written.
+            if state.step != last_saved:
+                _save(state, writer)
+            _finish_pending_save(writer)
         write_exit_file(state)
     finally:
         profiler.close()
