@@ -192,6 +192,29 @@ def test_mt_to_hf_refuses_a_checkpoint_that_does_not_fit_its_config(
     assert list(tmp_path.iterdir()) == []
 
 
+def test_convert_and_generate_name_a_damaged_checkpoint_in_a_one_line_error(
+    tmp_path, mt_checkpoint, capsys
+):
+    damaged = tmp_path / "damaged"
+    shutil.copytree(mt_checkpoint, damaged)
+    (data,) = damaged.glob("*.distcp")
+    data.unlink()
+    (tmp_path / "empty_metadata").mkdir()
+    shutil.copytree(mt_checkpoint, tmp_path / "empty_metadata", dirs_exist_ok=True)
+    (tmp_path / "empty_metadata" / ".metadata").write_bytes(b"")
+    for checkpoint in (damaged, tmp_path / "empty_metadata"):
+        for argv in (
+            ["convert", "mt-to-hf", "--checkpoint", str(checkpoint), "--out",
+             str(tmp_path / "back")],
+            ["generate", "--checkpoint", str(checkpoint), "--prompt", "x"],
+        ):  # fmt: skip
+            assert main(argv) == 2
+            err = capsys.readouterr().err
+            assert f"checkpoint {checkpoint} cannot be read, it is damaged" in err, err
+            assert "give another checkpoint" in err and "Traceback" not in err
+    assert not (tmp_path / "back").exists()
+
+
 def test_parse_size_reads_decimal_and_binary_units():
     assert parse_size("5GB") == 5 * 10**9
     assert parse_size("2GiB") == 2 * 2**30

@@ -7,6 +7,7 @@ injection knob reaches the user-facing config.
 import errno
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -404,3 +405,31 @@ def test_data_that_runs_out_mid_batch_leaves_that_batch_unread(tmp_path):
     saved = json.loads((list_checkpoints(checkpoint_root(run))[-1].path
                         / "train_state.json").read_text())  # fmt: skip
     assert saved["data"]["consumed_samples"] == state.step * batch
+
+
+def _tear_a_tensor_file(step):
+    (data,) = step.glob("*.distcp")
+    with open(data, "r+b") as f:
+        f.truncate(data.stat().st_size // 2)
+
+
+DAMAGES = {
+    "tensor_file_missing": lambda step: next(step.glob("*.distcp")).unlink(),
+    "tensor_file_torn": _tear_a_tensor_file,
+    "metadata_empty": lambda step: (step / ".metadata").write_bytes(b""),
+    "train_state_torn": lambda step: (step / "train_state.json").write_text('{"step": 2, "da'),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_a_damaged_checkpoint_is_a_value_error_naming_it_and_the_way_out(tmp_path, damage):
+    pretrain(_cfg(tmp_path, "training.max_steps=2", "checkpoint.interval=1"))
+    step = checkpoint_root(tmp_path) / "step_00000002"
+    DAMAGES[damage](step)
+    with pytest.raises(ValueError, match=rf"checkpoint {re.escape(str(step))} cannot be read, "
+                       r"it is damaged.*move step_00000002 out of .* resume from the checkpoint "
+                       r"before it"):  # fmt: skip
+        pretrain(_cfg(tmp_path, "training.max_steps=3"))
+    shutil.move(step, tmp_path / "aside")  # the way out the message gives
+    resumed = pretrain(_cfg(tmp_path, "training.max_steps=3"))
+    assert resumed.step == 3 and len(resumed.losses) == 2

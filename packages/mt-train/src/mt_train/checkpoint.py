@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
 import warnings
@@ -39,6 +40,35 @@ _STATE_FILE = "train_state.json"
 # DCP warns that it runs without a process group in one process, which is what we want;
 # a filter here (not catch_warnings) also covers the background writer's thread.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+# What reading a damaged or incomplete checkpoint raises: a missing or truncated file
+# (OSError, EOFError), an unreadable .metadata (UnpicklingError) or train_state.json
+# (JSONDecodeError, UnicodeDecodeError), and under a process group DCP's
+# CheckpointException around them.
+_READ_ERRORS = (
+    OSError, EOFError, pickle.UnpicklingError, json.JSONDecodeError, UnicodeDecodeError,
+    dcp.CheckpointException,
+)  # fmt: skip
+
+
+@contextmanager
+def reading_checkpoint(path: str | Path, fix: str):
+    """Turns the error of reading a damaged checkpoint into a `ValueError` that names it.
+
+    Args:
+        path: the checkpoint directory being read.
+        fix: what to do instead, ending the message.
+    """
+    try:
+        yield
+    except _READ_ERRORS as err:
+        cause: BaseException = err
+        if isinstance(err, dcp.CheckpointException) and err.failures:
+            cause = next(iter(err.failures.values()))[0]  # the first rank's own error
+        detail = str(cause).strip().splitlines()[0][:300] if str(cause).strip() else ""
+        raise ValueError(
+            f"checkpoint {path} cannot be read, it is damaged or incomplete "
+            f"({type(cause).__name__}{': ' + detail if detail else ''}); {fix}"
+        ) from None
 
 
 @dataclass
@@ -50,7 +80,16 @@ class Checkpoint:
 
     def train_state(self) -> dict[str, Any]:
         """Returns the JSON part: step, data-loader state and resolved config."""
-        return json.loads((self.path / _STATE_FILE).read_text())
+        with reading_checkpoint(self.path, damaged_run_checkpoint_fix(self.path)):
+            return json.loads((self.path / _STATE_FILE).read_text())
+
+
+def damaged_run_checkpoint_fix(path: Path) -> str:
+    """The way out of a damaged checkpoint in a run directory, for error messages."""
+    return (
+        f"move {path.name} out of {path.parent} to resume from the checkpoint before it, "
+        "or start a new run_dir"
+    )
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
@@ -313,6 +352,7 @@ def load_checkpoint(
         tensors,
         "resume with the checkpoint's model.* values (its train_state.json has them) or use "
         "a new run_dir",
+        damaged_run_checkpoint_fix(checkpoint.path),
     )
     if "optim/step" in tensors:
         for state in optimizer.state.values():
@@ -339,6 +379,7 @@ def load_model_weights(path: str | Path, model: nn.Module) -> None:
         Path(path),
         tensors,
         "choose a recipe or model.* overrides that match the source's architecture",
+        "choose another init_from",
     )
 
 
@@ -362,11 +403,15 @@ def _mismatch(path: Path, tensors: dict[str, torch.Tensor], saved: dict, fix: st
     return None
 
 
-def _check_and_load(path: Path, tensors: dict[str, torch.Tensor], fix: str) -> None:
+def _check_and_load(
+    path: Path, tensors: dict[str, torch.Tensor], fix: str, damaged_fix: str
+) -> None:
     """Checks this rank's canonical `tensors` against the checkpoint's keys and shapes
     (a model tensor the checkpoint holds that no rank names is an error too), then loads
-    them in place; `fix` ends the error messages."""
-    metadata = dcp.FileSystemReader(path).read_metadata()
+    them in place; `fix` ends the error messages, `damaged_fix` those of a checkpoint that
+    cannot be read."""
+    with reading_checkpoint(path, damaged_fix):
+        metadata = dcp.FileSystemReader(path).read_metadata()
     saved = metadata.state_dict_metadata
     if "rng/cuda" in tensors and "rng/cuda" not in saved:
         del tensors["rng/cuda"]
@@ -385,6 +430,6 @@ def _check_and_load(path: Path, tensors: dict[str, torch.Tensor], fix: str) -> N
             f"checkpoint {path} holds {len(extra)} model tensor(s) this model lacks, e.g. "
             f"{extra[:3]}; {fix}"
         )
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), reading_checkpoint(path, damaged_fix):
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(tensors, checkpoint_id=path)

@@ -33,7 +33,7 @@ from mt_data.tokenizer import load_tokenizer
 from mt_models import MODEL_FAMILIES, GptOssConfig, load_hf, load_hf_into, save_hf_tensors
 from mt_models.configs import TRAINING_ONLY_FIELDS
 from mt_models.hf_config import config_from_hf
-from mt_train.checkpoint import FORMAT_VERSION, load_model_weights
+from mt_train.checkpoint import FORMAT_VERSION, load_model_weights, reading_checkpoint
 
 # Files next to the weights that travel with a conversion when present.
 TOKENIZER_FILES = (
@@ -47,6 +47,7 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
 )
 _STATE_FILE = "train_state.json"
+_OTHER_CHECKPOINT = "give another checkpoint (an earlier step_N of the run, or convert again)"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
 _UNITS = {
     "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -178,12 +179,13 @@ def read_mt_checkpoint(path: str | Path) -> tuple[Any, dict[str, torch.Tensor]]:
     """
     path = Path(path)
     model_config = _mt_checkpoint_config(path)
-    metadata = dcp.FileSystemReader(path).read_metadata()
+    with reading_checkpoint(path, _OTHER_CHECKPOINT):
+        metadata = dcp.FileSystemReader(path).read_metadata()
     tensors = {}
     for key, meta in metadata.state_dict_metadata.items():
         if key.startswith("model/"):
             tensors[key] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), reading_checkpoint(path, _OTHER_CHECKPOINT):
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(tensors, checkpoint_id=path)
     return model_config, {k.removeprefix("model/"): v for k, v in tensors.items()}
@@ -196,7 +198,8 @@ def _mt_checkpoint_config(path: Path) -> Any:
             f"{path} is not a complete mt checkpoint (.metadata and {_STATE_FILE}); give a "
             "step_N directory of a run or the output of `mt-train convert hf-to-mt`"
         )
-    saved = json.loads((path / _STATE_FILE).read_text())["config"]
+    with reading_checkpoint(path, _OTHER_CHECKPOINT):
+        saved = json.loads((path / _STATE_FILE).read_text())["config"]
     return MODEL_FAMILIES[saved["model_family"]][0](**saved["model"])
 
 

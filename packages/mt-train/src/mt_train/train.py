@@ -265,8 +265,9 @@ def _log_default_corpus_build(path: Path) -> None:
 
 def _resume(state: TrainState, checkpoint) -> None:
     # The data loader first: a changed data.* fails before minutes of loading tensors.
+    data_state = checkpoint.train_state()["data"]  # a damaged file raises naming it
     try:
-        state.dataset.load_state_dict(checkpoint.train_state()["data"])
+        state.dataset.load_state_dict(data_state)
     except ValueError as e:
         raise ValueError(
             f"cannot resume from {checkpoint.path}: {e}. The run's data.* values are in "
