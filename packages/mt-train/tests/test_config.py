@@ -74,6 +74,27 @@ def test_toml_file_adjusts_the_recipe_and_command_line_wins(tmp_path):
         resolve_config(get_recipe("debug"), toml_path=path)
 
 
+def test_a_key_that_is_none_takes_the_type_its_field_declares_and_null_sets_none(tmp_path):
+    # Qwen3's sliding_window is None in the recipe; its field is `int | None`.
+    for text in ("32.5", "abc", "true"):
+        with pytest.raises(ValueError, match=rf"model.sliding_window='{text}' as int \| None"):
+            resolve_config(get_recipe("debug"), overrides=[f"model.sliding_window={text}"])
+    with pytest.raises(ValueError, match=r"model.rope_scaling='yarn' as dict \| None"):
+        resolve_config(get_recipe("debug"), overrides=["model.rope_scaling=yarn"])
+    cfg = resolve_config(get_recipe("debug"), overrides=["model.sliding_window=32"])
+    assert cfg.model.sliding_window == 32
+    path = tmp_path / "run.toml"
+    path.write_text("[model]\nsliding_window = 32.5\n")
+    with pytest.raises(ValueError, match=r"run.toml: model.sliding_window = 32.5 .*int \| None"):
+        resolve_config(get_recipe("debug"), toml_path=path)
+    # `null` reaches an `X | None` field that is set now (None: full attention / q_proj).
+    cfg = resolve_config(get_recipe("debug-gpt-oss"), overrides=["model.sliding_window=null"])
+    assert cfg.model.sliding_window is None
+    cfg = resolve_config(get_recipe("debug-deepseek-v2"), overrides=["model.q_lora_rank=null"])
+    assert cfg.model.q_lora_rank is None
+    assert resolve_config(get_recipe("debug"), overrides=["data.path=null"]).data.path == "null"
+
+
 def test_config_round_trips_through_plain_data():
     cfg = get_recipe("debug")
     again = JobConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))

@@ -2,14 +2,19 @@
 
 Both act on the nested-dict form of a `JobConfig`; the result is rebuilt with
 `JobConfig.from_dict`, so every dataclass validates the final values. An unknown key
-fails with the closest valid key.
+fails with the closest valid key. A value takes the type of the one it replaces; a key
+that is None now (``model.sliding_window``) takes the type its dataclass field declares
+(``int | None``), and ``null`` sets a field that may be None to None.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import tomllib
+import types
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -40,17 +45,78 @@ def _unknown_key_error(key: str, known: list[str], where: str) -> ValueError:
     return ValueError(f"unknown config key {key!r} in {where}{hint}")
 
 
-def parse_value(text: str, current: Any, key: str) -> Any:
+def field_types(config: Any, prefix: str = "") -> dict[str, Any]:
+    """Returns {"a.b": declared type} for every dataclass field under `config`.
+
+    Args:
+        config: a dataclass instance (a `JobConfig`, its sections, the model config).
+        prefix: the dotted path of `config`.
+
+    Returns:
+        The declared types (annotations) of the leaf fields, by dotted key.
+    """
+    hints = typing.get_type_hints(type(config))
+    out = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            out.update(field_types(value, f"{prefix}{f.name}."))
+        else:
+            out[f"{prefix}{f.name}"] = hints.get(f.name, Any)
+    return out
+
+
+def _union_members(declared: Any) -> tuple[Any, ...] | None:
+    """The members of an ``X | None`` annotation (origins of generics), or None."""
+    if typing.get_origin(declared) not in (typing.Union, types.UnionType):
+        return None
+    return tuple(typing.get_origin(t) or t for t in typing.get_args(declared))
+
+
+def _declared_name(declared: Any) -> str:
+    """``int | None`` for an ``int | None`` annotation."""
+    members = _union_members(declared) or (declared,)
+    return " | ".join("None" if t is type(None) else getattr(t, "__name__", str(t))
+                      for t in members)  # fmt: skip
+
+
+def _as_declared(value: Any, declared: Any) -> Any:
+    """Checks a value given for a key that is None now against its field's ``X | None``
+    type (an int for ``int | None``, ...); other annotations pass it through.
+
+    Raises:
+        ValueError: the value has none of the declared types.
+    """
+    members = _union_members(declared)
+    if members is None or value is None:
+        return value
+    allowed = [t for t in members if t is not type(None)]
+    if float in allowed and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if any(isinstance(value, t) and not (isinstance(value, bool) and t is int) for t in allowed):
+        return value
+    expected = _declared_name(declared)
+    raise ValueError(f"{value!r} has type {type(value).__name__}, expected {expected}")
+
+
+def parse_value(text: str, current: Any, key: str, declared: Any = Any) -> Any:
     """Parses the text of one override into the type of the value it replaces.
 
     Args:
         text: the part after '=' on the command line.
         current: the value the key has now (gives the type).
         key: the dotted key, for error messages.
+        declared: the field's declared type; gives the type when `current` is None, and
+            lets ``null`` set an ``X | None`` field to None.
 
     Returns:
         The parsed value.
     """
+    members = _union_members(declared) or ()
+    if type(None) in members and text.strip().lower() == "null":
+        return None
+    if current is None and str in members:
+        return text
     try:
         if isinstance(current, bool):
             lowered = text.strip().lower()
@@ -72,14 +138,15 @@ def parse_value(text: str, current: Any, key: str) -> Any:
             return type(current)(parsed)
         if current is None:
             try:
-                return json.loads(text)
+                parsed = json.loads(text)
             except json.JSONDecodeError:
-                return text
+                parsed = text
+            return _as_declared(parsed, declared)
         return text
     except (ValueError, json.JSONDecodeError) as err:
+        kind = type(current).__name__ if current is not None else _declared_name(declared)
         raise ValueError(
-            f"cannot parse {key}={text!r} as {type(current).__name__} "
-            f"(current value {current!r}): {err}"
+            f"cannot parse {key}={text!r} as {kind} (current value {current!r}): {err}"
         ) from None
 
 
@@ -91,11 +158,22 @@ def _set(data: dict[str, Any], dotted: str, value: Any) -> None:
     node[leaf] = value
 
 
-def _merge_toml(data: dict[str, Any], table: dict[str, Any], known: dict[str, Any], path: str):
+def _merge_toml(
+    data: dict[str, Any],
+    table: dict[str, Any],
+    known: dict[str, Any],
+    path: str,
+    declared: dict[str, Any],
+):
     for key, value in flatten(table).items():
         if key not in known or key in _FIXED_KEYS:
             raise _unknown_key_error(key, list(known), path)
         current = known[key]
+        if current is None:
+            try:
+                value = _as_declared(value, declared.get(key, Any))
+            except ValueError as err:
+                raise ValueError(f"{path}: {key} = {err}") from None
         if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if current is not None and type(value) is not type(current) and not (
@@ -122,6 +200,7 @@ def resolve_config(
         A new, validated `JobConfig`.
     """
     data = base.to_dict()
+    declared = field_types(base)
     known = {k: v for k, v in flatten(data).items() if k not in _FIXED_KEYS}
     if toml_path is not None:
         path = Path(toml_path)
@@ -135,7 +214,7 @@ def resolve_config(
             ) from None
         except tomllib.TOMLDecodeError as err:
             raise ValueError(f"config file {path} is not valid TOML: {err}") from None
-        _merge_toml(data, table, known, str(path))
+        _merge_toml(data, table, known, str(path), declared)
         known = {k: v for k, v in flatten(data).items() if k not in _FIXED_KEYS}
     for item in overrides:
         key, sep, text = item.partition("=")
@@ -144,7 +223,7 @@ def resolve_config(
             raise ValueError(f"override {item!r} must look like key=value (e.g. training.lr=1e-3)")
         if key not in known:
             raise _unknown_key_error(key, list(known), "the command line")
-        value = parse_value(text, known[key], key)
+        value = parse_value(text, known[key], key, declared.get(key, Any))
         _set(data, key, value)
         known[key] = value
     return JobConfig.from_dict(data)
