@@ -95,6 +95,23 @@ def test_a_key_that_is_none_takes_the_type_its_field_declares_and_null_sets_none
     assert resolve_config(get_recipe("debug"), overrides=["data.path=null"]).data.path == "null"
 
 
+def test_a_toml_table_sets_a_dict_field_that_is_none_in_the_recipe(tmp_path):
+    # The command line sets it as JSON (model.rope_scaling={...}); TOML as a table.
+    yarn = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 1024}
+    path = tmp_path / "run.toml"
+    for text in ("[model.rope_scaling]\nrope_type = 'yarn'\nfactor = 2.0\n"
+                 "original_max_position_embeddings = 1024\n",
+                 "[model]\nrope_scaling = { rope_type = 'yarn', factor = 2.0, "
+                 "original_max_position_embeddings = 1024 }\n"):  # fmt: skip
+        path.write_text(text)
+        cfg = resolve_config(get_recipe("debug"), toml_path=path,
+                             overrides=["model.rope_scaling.factor=4"])  # fmt: skip
+        assert cfg.model.rope_scaling == yarn | {"factor": 4.0}
+    path.write_text("[model]\nrope_scaling = 3\n")
+    with pytest.raises(ValueError, match=r"model.rope_scaling = 3 has type int, expected dict"):
+        resolve_config(get_recipe("debug"), toml_path=path)
+
+
 def test_config_round_trips_through_plain_data():
     cfg = get_recipe("debug")
     again = JobConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))

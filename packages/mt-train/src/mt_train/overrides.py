@@ -23,13 +23,25 @@ from mt_train.config import JobConfig
 _FIXED_KEYS = {"model_family"}
 
 
-def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Returns {"a.b.c": value} for every leaf of a nested dict."""
+def flatten(
+    data: dict[str, Any], prefix: str = "", leaves: frozenset[str] = frozenset()
+) -> dict[str, Any]:
+    """Returns {"a.b.c": value} for every leaf of a nested dict.
+
+    Args:
+        data: the nested dict.
+        prefix: the dotted path of `data`.
+        leaves: dotted keys whose dict values stay whole (a TOML table for a dict-valued
+            field that is None now, such as ``model.rope_scaling``).
+
+    Returns:
+        The leaves by dotted key.
+    """
     flat = {}
     for key, value in data.items():
         dotted = f"{prefix}{key}"
-        if isinstance(value, dict):
-            flat.update(flatten(value, dotted + "."))
+        if isinstance(value, dict) and dotted not in leaves:
+            flat.update(flatten(value, dotted + ".", leaves))
         else:
             flat[dotted] = value
     return flat
@@ -165,7 +177,8 @@ def _merge_toml(
     path: str,
     declared: dict[str, Any],
 ):
-    for key, value in flatten(table).items():
+    none_now = frozenset(k for k, v in known.items() if v is None)
+    for key, value in flatten(table, leaves=none_now).items():
         if key not in known or key in _FIXED_KEYS:
             raise _unknown_key_error(key, list(known), path)
         current = known[key]
