@@ -147,16 +147,20 @@ def test_mt_train_command_runs_and_resumes(tmp_path):
     assert "resumed from" in again.stderr
 
 
-def test_weights_and_biases_gets_every_step_in_an_offline_run(tmp_path, monkeypatch):
-    wandb = pytest.importorskip("wandb")
-    from wandb.sdk.wandb_run import Run
-
+def _offline_wandb(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_ERROR_REPORTING", "false")
     monkeypatch.setenv("WANDB_DISABLE_GIT", "true")
     for name in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(name, str(tmp_path / "wandb-home"))
+
+
+def test_weights_and_biases_gets_every_step_in_an_offline_run(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    from wandb.sdk.wandb_run import Run
+
+    _offline_wandb(tmp_path, monkeypatch)
     logged = []
     real_log = Run.log
 
@@ -173,6 +177,25 @@ def test_weights_and_biases_gets_every_step_in_an_offline_run(tmp_path, monkeypa
         assert data["loss"] == row["loss"] and data["grad_norm"] == row["grad_norm"]
     (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     assert run_file.stat().st_size > 0
+
+
+def test_a_resumed_run_logs_to_the_same_weights_and_biases_run(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from wandb.sdk.wandb_run import Run
+
+    _offline_wandb(tmp_path, monkeypatch)
+    logged = []
+    real_log = Run.log
+
+    def spy(self, data, step=None, **kwargs):
+        logged.append((self.id, step))
+        return real_log(self, data, step=step, **kwargs)
+
+    monkeypatch.setattr(Run, "log", spy)
+    pretrain(_cfg(tmp_path, "training.max_steps=2", "metrics.wandb_project=mt-test"))
+    pretrain(_cfg(tmp_path, "training.max_steps=3", "metrics.wandb_project=mt-test"))
+    assert [step for _, step in logged] == [1, 2, 3]
+    assert len({run_id for run_id, _ in logged}) == 1, logged
 
 
 def test_the_first_run_says_it_builds_the_default_corpus_and_where(tmp_path, monkeypatch, caplog):

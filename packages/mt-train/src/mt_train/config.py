@@ -241,7 +241,8 @@ class MetricsConfig:
         tensorboard: also write TensorBoard event files to ``<run_dir>/tensorboard``
             (needs ``pip install mt-train[tensorboard]``).
         wandb_project: also log to this Weights & Biases project; empty disables it
-            (needs ``pip install mt-train[wandb]``).
+            (needs ``pip install mt-train[wandb]``). A resumed run logs to the same W&B
+            run, whose id is kept in ``<run_dir>/wandb_run_id``.
     """
 
     tensorboard: bool = False

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -161,7 +162,11 @@ class TensorBoardSink:
 
 
 class WandbSink:
-    """Logs every numeric metric to a Weights & Biases run (resumed by run directory)."""
+    """Logs every numeric metric to a Weights & Biases run (resumed by run directory).
+
+    The run's W&B id is kept in ``<run_dir>/wandb_run_id``, written by the first
+    invocation, so a resumed run keeps logging to the same W&B run.
+    """
 
     def __init__(self, project: str, run_dir: str | Path, config: dict[str, Any]):
         try:
@@ -174,8 +179,9 @@ class WandbSink:
         self._wandb = wandb
         self._run = wandb.init(
             project=project, dir=str(run_dir), config=config,
-            name=Path(run_dir).resolve().name, resume="allow",
-        )
+            name=Path(run_dir).resolve().name,
+            id=_wandb_run_id(run_dir), resume="allow",
+        )  # fmt: skip
 
     def log(self, metrics: dict[str, Any]) -> None:
         """Logs one step's scalars."""
@@ -184,6 +190,22 @@ class WandbSink:
     def close(self) -> None:
         """Finishes the run."""
         self._run.finish()
+
+
+def _wandb_run_id(run_dir: str | Path) -> str:
+    """The W&B run id of a run directory: the one saved there, else a new one (saved).
+
+    Without it ``wandb.init(resume="allow")`` starts a new W&B run on every resume.
+    """
+    path = Path(run_dir) / "wandb_run_id"
+    saved = path.read_text().strip() if path.is_file() else ""
+    if saved:
+        return saved
+    run_id = secrets.token_hex(8)  # W&B ids: letters and digits, up to 64
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(run_id + "\n")
+    os.replace(tmp, path)
+    return run_id
 
 
 def build_sinks(
