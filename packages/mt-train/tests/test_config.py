@@ -112,6 +112,15 @@ def test_a_toml_table_sets_a_dict_field_that_is_none_in_the_recipe(tmp_path):
         resolve_config(get_recipe("debug"), toml_path=path)
 
 
+def test_a_list_of_strings_takes_comma_separated_words():
+    types = ["full_attention", "sliding_attention"] * 2
+    for text in (",".join(types), ",".join(f'"{t}"' for t in types), json.dumps(types)):
+        cfg = resolve_config(get_recipe("debug-gpt-oss"), overrides=[f"model.layer_types={text}"])
+        assert cfg.model.layer_types == types
+    with pytest.raises(ValueError, match=r"cannot parse model.mlp_only_layers='0,x' as tuple"):
+        resolve_config(get_recipe("debug"), overrides=["model.mlp_only_layers=0,x"])
+
+
 def test_config_round_trips_through_plain_data():
     cfg = get_recipe("debug")
     again = JobConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))

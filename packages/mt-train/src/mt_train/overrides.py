@@ -111,6 +111,19 @@ def _as_declared(value: Any, declared: Any) -> Any:
     raise ValueError(f"{value!r} has type {type(value).__name__}, expected {expected}")
 
 
+def _element_type(current: list | tuple, declared: Any) -> Any:
+    """The item type of a list field: declared (``list[str]``), else its items' own
+    when they share one; None when unknown."""
+    candidates = typing.get_args(declared) if _union_members(declared) else (declared,)
+    for t in candidates:
+        if typing.get_origin(t) in (list, tuple):
+            args = [a for a in typing.get_args(t) if a is not Ellipsis]
+            if args:
+                return args[0]
+    kinds = {type(item) for item in current}
+    return kinds.pop() if len(kinds) == 1 else None
+
+
 def parse_value(text: str, current: Any, key: str, declared: Any = Any) -> Any:
     """Parses the text of one override into the type of the value it replaces.
 
@@ -145,8 +158,12 @@ def parse_value(text: str, current: Any, key: str, declared: Any = Any) -> Any:
             stripped = text.strip()
             if stripped.startswith("["):
                 parsed = json.loads(stripped)
-            else:
-                parsed = [json.loads(p) for p in stripped.split(",") if p.strip()]
+            else:  # a,b,c; words stand for themselves in a list of strings
+                words = _element_type(current, declared) is str
+                parsed = [
+                    p.strip() if words and not p.strip().startswith('"') else json.loads(p)
+                    for p in stripped.split(",") if p.strip()
+                ]  # fmt: skip
             return type(current)(parsed)
         if current is None:
             try:
