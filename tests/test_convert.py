@@ -215,6 +215,19 @@ def test_convert_and_generate_name_a_damaged_checkpoint_in_a_one_line_error(
     assert not (tmp_path / "back").exists()
 
 
+def test_an_out_under_a_file_is_a_one_line_error_naming_it(tmp_path, mt_checkpoint, capsys):
+    (tmp_path / "a_file").write_text("")
+    out = tmp_path / "a_file" / "out"
+    for argv in (
+        ["convert", "mt-to-hf", "--checkpoint", str(mt_checkpoint), "--out", str(out)],
+        ["convert", "hf-to-mt", "--hf", str(mt_checkpoint.parent / "hf"), "--out", str(out)],
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"--out {out}: its directory cannot be created" in err, err
+        assert "choose another --out" in err and "Traceback" not in err
+
+
 def test_parse_size_reads_decimal_and_binary_units():
     assert parse_size("5GB") == 5 * 10**9
     assert parse_size("2GiB") == 2 * 2**30

@@ -117,11 +117,18 @@ def training_tokenizer(checkpoint: str | Path) -> Path | None:
 
 
 def _check_out(out_dir: Path) -> None:
-    """Raises unless `out_dir` is missing or an empty directory."""
+    """Raises unless `out_dir` is missing or an empty directory; creates its parent (where
+    the temporary directory goes), before the slow reading of the source."""
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ValueError(
             f"--out {out_dir} exists and is not an empty directory; choose a new directory"
         )
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # a parent is a file, no permission, ...
+        raise ValueError(
+            f"--out {out_dir}: its directory cannot be created ({err}); choose another --out"
+        ) from None
 
 
 def hf_to_mt(hf_dir: str | Path, out_dir: str | Path) -> Path:
