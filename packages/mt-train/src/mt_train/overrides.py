@@ -67,7 +67,10 @@ def field_types(config: Any, prefix: str = "") -> dict[str, Any]:
     Returns:
         The declared types (annotations) of the leaf fields, by dotted key.
     """
-    hints = typing.get_type_hints(type(config))
+    try:
+        hints = typing.get_type_hints(type(config))
+    except (NameError, TypeError):  # an annotation that does not resolve: types unknown
+        hints = {}
     out = {}
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
