@@ -121,6 +121,19 @@ def test_a_list_of_strings_takes_comma_separated_words():
         resolve_config(get_recipe("debug"), overrides=["model.mlp_only_layers=0,x"])
 
 
+def test_a_dict_field_the_recipe_sets_can_be_replaced_whole_or_set_to_null():
+    # GPT-OSS's rope_scaling is YaRN in the recipe: its leaves are keys, and so is the field.
+    linear = {"rope_type": "linear", "factor": 2.0}
+    cfg = resolve_config(get_recipe("debug-gpt-oss"),
+                         overrides=[f"model.rope_scaling={json.dumps(linear)}",
+                                    "model.rope_scaling.factor=4"])  # fmt: skip
+    assert cfg.model.rope_scaling == linear | {"factor": 4.0}
+    cfg = resolve_config(get_recipe("debug-gpt-oss"), overrides=["model.rope_scaling=null"])
+    assert cfg.model.rope_scaling is None
+    with pytest.raises(ValueError, match=r"model.rope_scaling='yarn' as dict \| None"):
+        resolve_config(get_recipe("debug-gpt-oss"), overrides=["model.rope_scaling=yarn"])
+
+
 def test_config_round_trips_through_plain_data():
     cfg = get_recipe("debug")
     again = JobConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))

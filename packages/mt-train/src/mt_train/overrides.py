@@ -103,7 +103,11 @@ def _as_declared(value: Any, declared: Any) -> Any:
         ValueError: the value has none of the declared types.
     """
     members = _union_members(declared)
-    if members is None or value is None:
+    if members is None:
+        if not isinstance(declared, type) and typing.get_origin(declared) is None:
+            return value  # Any, or an annotation we do not read: unchecked
+        members = (typing.get_origin(declared) or declared,)
+    if value is None and type(None) in members:
         return value
     allowed = [t for t in members if t is not type(None)]
     if float in allowed and isinstance(value, int) and not isinstance(value, bool):
@@ -168,7 +172,7 @@ def parse_value(text: str, current: Any, key: str, declared: Any = Any) -> Any:
                     for p in stripped.split(",") if p.strip()
                 ]  # fmt: skip
             return type(current)(parsed)
-        if current is None:
+        if current is None or isinstance(current, dict):
             try:
                 parsed = json.loads(text)
             except json.JSONDecodeError:
@@ -176,7 +180,8 @@ def parse_value(text: str, current: Any, key: str, declared: Any = Any) -> Any:
             return _as_declared(parsed, declared)
         return text
     except (ValueError, json.JSONDecodeError) as err:
-        kind = type(current).__name__ if current is not None else _declared_name(declared)
+        whole = current is None or isinstance(current, dict)
+        kind = _declared_name(declared) if whole else type(current).__name__
         raise ValueError(
             f"cannot parse {key}={text!r} as {kind} (current value {current!r}): {err}"
         ) from None
@@ -254,9 +259,27 @@ def resolve_config(
         key = key.strip()
         if not sep or not key:
             raise ValueError(f"override {item!r} must look like key=value (e.g. training.lr=1e-3)")
-        if key not in known:
+        if key in known:
+            current = known[key]
+        elif _is_dict_field(declared.get(key)):
+            current = _value_at(data, key)  # a dict the recipe sets: replaced whole
+        else:
             raise _unknown_key_error(key, list(known), "the command line")
-        value = parse_value(text, known[key], key, declared.get(key, Any))
+        value = parse_value(text, current, key, declared.get(key, Any))
         _set(data, key, value)
-        known[key] = value
+        known = {k: v for k, v in flatten(data).items() if k not in _FIXED_KEYS}
     return JobConfig.from_dict(data)
+
+
+def _value_at(data: dict[str, Any], dotted: str) -> Any:
+    """The value at a dotted key of the nested config dict."""
+    node = data
+    for part in dotted.split("."):
+        node = node[part]
+    return node
+
+
+def _is_dict_field(declared: Any) -> bool:
+    """True for a field declared ``dict`` or ``dict | None`` (``model.rope_scaling``)."""
+    members = _union_members(declared) or (typing.get_origin(declared) or declared,)
+    return dict in members
