@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -433,3 +434,28 @@ def test_a_damaged_checkpoint_is_a_value_error_naming_it_and_the_way_out(tmp_pat
     shutil.move(step, tmp_path / "aside")  # the way out the message gives
     resumed = pretrain(_cfg(tmp_path, "training.max_steps=3"))
     assert resumed.step == 3 and len(resumed.losses) == 2
+
+
+def test_a_crash_while_an_old_checkpoint_is_deleted_leaves_no_partial_step_dir(
+    tmp_path, monkeypatch
+):
+    root = tmp_path / "checkpoints"
+    old = root / "step_00000001"
+    old.mkdir(parents=True)
+    for name in ("train_state.json", ".metadata", "__0_0.distcp", "__1_0.distcp"):
+        (old / name).write_text("x")
+    assert [c.step for c in list_checkpoints(root)] == [1]
+    real_rmtree = shutil.rmtree
+
+    def crash_after_one_shard(path, ignore_errors=False):
+        if not Path(path).exists():
+            return real_rmtree(path, ignore_errors=ignore_errors)
+        (Path(path) / "__0_0.distcp").unlink()  # the delete got this far
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint_module.shutil, "rmtree", crash_after_one_shard)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint_module._delete_checkpoint(old)
+    # What is left is not a checkpoint: resuming never picks up a step with shards missing.
+    assert list_checkpoints(root) == []
+    assert [p.name for p in root.iterdir()] == [".old-step_00000001"]

@@ -97,6 +97,20 @@ def checkpoint_root(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+def _delete_checkpoint(path: Path) -> None:
+    """Deletes a complete checkpoint without ever leaving a partial one under its name.
+
+    It is renamed out of the ``step_*`` names first: a crash in the middle of the delete
+    leaves a ``.old-step_*`` leftover (removed by the next save), not a ``step_N`` with its
+    state file but some shards gone, which would list as complete.
+    """
+    doomed = path.with_name(f".old-{path.name}")
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.rename(path, doomed)
+    _fsync_dir(path.parent)
+    shutil.rmtree(doomed)
+
+
 def list_checkpoints(root: str | Path) -> list[Checkpoint]:
     """Returns the complete checkpoints under `root`, oldest first."""
     root = Path(root)
@@ -256,7 +270,7 @@ def _finalize(root: Path, step: int, train_state: dict[str, Any], keep_last: int
             os.rename(tmp, final)
         _fsync_dir(root)
         for old in list_checkpoints(root)[:-keep_last]:
-            shutil.rmtree(old.path)
+            _delete_checkpoint(old.path)
     _barrier()
     return Checkpoint(path=final, step=step)
 
