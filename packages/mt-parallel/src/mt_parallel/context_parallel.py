@@ -54,7 +54,17 @@ def split_sample(tokens: Tensor, ranges: list[tuple[int, int]]) -> tuple[Tensor,
     Returns:
         `(inputs [B, L], labels [B, L], positions [L])`, L = Σ(end − start − 1).
     """
-    whole = tokens.shape[1] > sum(b - a for a, b in ranges)
+    # The layouts are told apart by width: Σ(end − start) columns when cut, S+1 when
+    # whole. These differ for every cp; for cp = 1 the two chunks share a label column,
+    # so the cut layout is the wider one.
+    cut, last = sum(b - a for a, b in ranges), max(b for _, b in ranges)
+    whole = tokens.shape[1] != cut
+    if whole and tokens.shape[1] < last:
+        raise ValueError(
+            f"tokens shape ({tuple(tokens.shape)}) must be [B, S+1] (whole samples, at "
+            f"least {last} columns) or [B, {cut}] (only the columns of ranges {ranges}); "
+            "pass the samples the ranges were made for"
+        )
     inputs, labels, offset = [], [], 0
     for start, end in ranges:
         cols = tokens[:, start:end] if whole else tokens[:, offset : offset + end - start]
