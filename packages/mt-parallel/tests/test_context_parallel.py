@@ -1,17 +1,26 @@
 """The context-parallel attention core takes the positions the AttentionCore protocol
-allows ([S] or [B, S]) and names missing ones (gloo, CPU, two ranks); `split_sample`
-cuts inputs, labels and positions out of whole or pre-cut samples."""
+allows ([S] or [B, S]), names missing ones and refuses per-document ones (gloo, CPU,
+two ranks); `split_sample` cuts inputs, labels and positions out of whole or pre-cut
+samples."""
 
 import pytest
 import torch
 
 from mt_parallel import zigzag_ranges
 from mt_parallel.context_parallel import split_sample
-from mt_parallel.testing import check_context_parallel_positions, spawn
+from mt_parallel.testing import (
+    check_context_parallel_positions,
+    check_context_parallel_refuses_document_positions,
+    spawn,
+)
 
 
 def test_context_parallel_core_takes_positions_per_row_and_names_missing_ones():
     spawn(check_context_parallel_positions, 2)
+
+
+def test_context_parallel_core_refuses_per_document_positions_of_packed_samples():
+    spawn(check_context_parallel_refuses_document_positions, 2)
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])

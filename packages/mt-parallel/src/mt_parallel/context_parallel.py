@@ -6,7 +6,8 @@ reads only its tokens (plus one extra label token per chunk), computes RoPE at t
 global positions, and attends its queries to the keys and values of the whole sequence,
 which the CP ranks all-gather (the backward reduces the key/value gradients back to
 their owners). The attention mask comes from the global positions of the queries and
-keys, so causal, sliding-window and sink attention need no special case.
+keys, so causal, sliding-window and sink attention need no special case. Per-document
+positions of packed samples (document masking) are refused: that mask needs cp = 1.
 """
 
 from __future__ import annotations
@@ -93,8 +94,25 @@ class _GatherSeq(torch.autograd.Function):
         return grad.chunk(size, dim=2)[rank], None
 
 
+def _check_global_positions(kv_positions: Tensor) -> None:
+    """Raises ValueError unless each row of the gathered positions [S] or [B, S] holds
+    consecutive positions, each once (a whole sequence, in zigzag order)."""
+    sorted_positions = kv_positions.sort(dim=-1).values
+    if not bool((sorted_positions.diff(dim=-1) == 1).all()):
+        raise ValueError(
+            "context parallelism needs the global positions of each whole sequence (each "
+            "position once over the cp ranks, consecutive: zigzag_positions or "
+            "rank_batch_slices' positions), but these repeat or skip positions; "
+            "per-document positions of packed samples (document masking) need cp=1, "
+            "since the context-parallel core masks by global position only"
+        )
+
+
 class ContextParallelAttention:
     """Attention core for CP: queries of this rank against all-gathered keys/values.
+
+    One instance can serve every attention module of a model: it checks each new
+    positions tensor once (one host sync), not once per layer.
 
     Args:
         group: the CP process group.
@@ -102,6 +120,9 @@ class ContextParallelAttention:
 
     def __init__(self, group: dist.ProcessGroup):
         self.group = group
+        # The last positions found to be global ones, with their version: the layers of
+        # one forward pass the same tensor. Held, so its identity is not reused.
+        self._checked: tuple[Tensor, int] | None = None
 
     def __call__(
         self, q_BHSD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, *, positions_S: Tensor,
@@ -133,6 +154,10 @@ class ContextParallelAttention:
         dist.all_gather(parts, positions_S.contiguous(), group=self.group)
         # Along the sequence dim, in rank order as k_all and v_all: [S] or [B, S].
         kv_positions = torch.cat(parts, dim=-1)
+        checked = self._checked
+        if checked is None or checked[0] is not positions_S or checked[1] != positions_S._version:
+            _check_global_positions(kv_positions)  # equal on every rank: all raise or none
+            self._checked = (positions_S, positions_S._version)
         return attention(
             q_BHSD, k_all, v_all, causal=True, scale=scale, window=window, sinks=sinks_H,
             q_positions=positions_S, kv_positions=kv_positions,

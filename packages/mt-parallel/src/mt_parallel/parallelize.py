@@ -36,9 +36,10 @@ def apply_context_parallel(model: nn.Module, group) -> int:
         The number of attention cores swapped.
     """
     swapped = 0
+    core = ContextParallelAttention(group)  # shared: it checks each micro-batch's positions once
     for module in model.modules():
         if hasattr(module, "attention_core"):
-            module.attention_core = ContextParallelAttention(group)
+            module.attention_core = core
             swapped += 1
     if not swapped:
         raise ValueError(

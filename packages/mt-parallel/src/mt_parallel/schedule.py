@@ -32,8 +32,8 @@ class MicroBatch:
 
     `positions` (int64) are the global token positions [S] when the sequence is a
     context-parallel slice, or per-document positions [B, S] of packed samples (document
-    masking: a position that is not its predecessor plus 1 starts a document); None means
-    0..S-1, one document per sample.
+    masking, cp = 1 only: a position that is not its predecessor plus 1 starts a document);
+    None means 0..S-1, one document per sample.
     """
 
     input_ids: torch.Tensor

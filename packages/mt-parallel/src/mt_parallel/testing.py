@@ -482,3 +482,26 @@ def check_context_parallel_positions(seq_len: int = 8, window: int = 3) -> None:
         assert "context parallelism needs position_ids" in str(err), str(err)
     else:
         raise AssertionError("positions_S=None did not raise")
+
+
+def check_context_parallel_refuses_document_positions(seq_len: int = 8) -> None:
+    """The context-parallel core refuses per-document positions of packed samples (its
+    mask is by global position, so it would let documents see each other) with a
+    ValueError naming document masking, on every rank, and takes consecutive global
+    positions with an offset (a spawned CP group)."""
+    from mt_parallel.context_parallel import ContextParallelAttention
+
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, seq_len // cp, 8, generator=gen) for _ in range(3))
+    core = ContextParallelAttention(dist.group.WORLD)
+    mine = zigzag_positions(seq_len, cp, rank)
+    core(q, k, v, positions_S=mine + 3, scale=None, window=None, sinks_H=None)
+    documents = torch.arange(seq_len) % (seq_len // 2)  # two packed documents per row
+    for positions in (documents[mine], torch.stack([mine, documents[mine]])):
+        try:
+            core(q, k, v, positions_S=positions, scale=None, window=None, sinks_H=None)
+        except ValueError as err:
+            assert "document masking" in str(err) and "cp=1" in str(err), str(err)
+        else:
+            raise AssertionError(f"rank {rank}: per-document positions {positions} passed")
