@@ -131,6 +131,16 @@ def test_half_precision_grads_whose_squares_overflow_or_round_give_the_right_nor
     assert clip_grad_norm([bf16], math.inf) == pytest.approx(expected, rel=1e-6)
 
 
+def test_a_finite_norm_whose_square_passes_the_fp32_range_is_finite_and_clipped(path):
+    # Each gradient's norm is 2e19 (fp64 on CPU); its square, 4e38, is past fp32's 3.4e38.
+    params = [nn.Parameter(torch.zeros(4)) for _ in range(2)]
+    for p in params:
+        p.grad = torch.full((4,), 1e19)
+    expected = math.sqrt(8) * torch.tensor(1e19).item()
+    assert clip_grad_norm(params, 1.0) == pytest.approx(expected, rel=1e-6)
+    assert _reference_norm(params) == pytest.approx(1.0, rel=1e-5)
+
+
 def test_no_gradients_give_a_zero_norm(path):
     params = [nn.Parameter(torch.zeros(3))]
     assert clip_grad_norm(params, 1.0) == 0.0

@@ -73,7 +73,8 @@ def clip_grad_norm(
             when pp = 1); None for one process.
 
     Returns:
-        The global norm before clipping (inf/nan if a gradient is not finite).
+        The global norm before clipping (inf/nan if a gradient is not finite; on GPU
+        also if one gradient's own norm, summed in fp32, passes 1.8e19).
     """
     grads = [_local(p.grad) for p in parameters if p.grad is not None]
     large = [g for g in grads if g.numel() >= _PER_TENSOR_MIN_NUMEL]
@@ -82,10 +83,13 @@ def clip_grad_norm(
     for (device, dtype), tensors in small.items():
         # Without `dtype` the norms of bf16 gradients come back rounded to bf16.
         norms += torch._foreach_norm(tensors, 2.0, dtype=_norm_dtype(device, dtype))
-    if norms:  # summed on the first gradient's device, where the all-reduce expects it
-        sq = torch.stack([n.to(grads[0].device, torch.float32) for n in norms]).square().sum()
+    # Squared and summed in fp64 on the first gradient's device (where the all-reduce
+    # expects it): in fp32 the square of any norm past 1.8e19 was inf, so finite
+    # gradients read as non-finite and were left unclipped.
+    if norms:
+        sq = torch.stack([n.to(grads[0].device, torch.float64) for n in norms]).square().sum()
     else:
-        sq = torch.zeros((), dtype=torch.float32)
+        sq = torch.zeros((), dtype=torch.float64)
     if group is not None:
         dist.all_reduce(sq, group=group)
     total = float(sq.sqrt())
