@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from mt_parallel import ParallelDims
+from mt_parallel import ParallelDims, zigzag_ranges
+from mt_parallel.testing import check_layout_errors_name_the_fix, spawn
 
 
 def test_dp_is_derived_from_the_world_size():
@@ -24,8 +25,11 @@ def test_expert_parallel_size_must_divide_the_experts():
 
 def test_context_parallel_size_must_fit_the_sequence():
     dims = ParallelDims(world_size=2, cp=2)
-    with pytest.raises(ValueError, match="zigzag"):
+    fix = r"use seq_len 64 or 68, or parallel.cp one of \[1, 3, 11, 33\]"
+    with pytest.raises(ValueError, match=r"seq_len \(66\) .* 2\*parallel.cp \(4\) .*" + fix):
         dims.validate_model(num_experts=8, num_heads=4, seq_len=66)
+    with pytest.raises(ValueError, match=r"seq_len \(66\) .*" + fix):
+        zigzag_ranges(66, 2, 0)
     dims.validate_model(num_experts=8, num_heads=4, seq_len=64)
     ParallelDims(world_size=1).validate_model(num_experts=8, num_heads=4, seq_len=1023)
     ParallelDims(world_size=8, cp=8).validate_model(num_experts=8, num_heads=4, seq_len=64)
@@ -67,3 +71,7 @@ def test_a_cp_rank_outside_the_cp_group_is_rejected_not_given_other_chunks(cp, c
 
     with pytest.raises(ValueError, match=rf"cp \({cp}\) must be >= 1 and cp_rank \({cp_rank}\)"):
         zigzag_ranges(16, cp, cp_rank)
+
+
+def test_a_layout_that_does_not_fit_the_experts_or_the_world_names_the_sizes_that_do():
+    spawn(check_layout_errors_name_the_fix, 3)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from mt_ops import attention
+from mt_parallel.dims import check_cp_divides_seq_len
 
 
 def zigzag_ranges(seq_len: int, cp: int, cp_rank: int) -> list[tuple[int, int]]:
@@ -32,8 +33,7 @@ def zigzag_ranges(seq_len: int, cp: int, cp_rank: int) -> list[tuple[int, int]]:
     """
     if cp < 1 or not 0 <= cp_rank < cp:
         raise ValueError(f"cp ({cp}) must be >= 1 and cp_rank ({cp_rank}) in [0, {cp})")
-    if seq_len % (2 * cp):
-        raise ValueError(f"seq_len ({seq_len}) must be divisible by 2*cp ({2 * cp})")
+    check_cp_divides_seq_len(cp, seq_len)
     chunk = seq_len // (2 * cp)
     first, second = cp_rank, 2 * cp - 1 - cp_rank
     return [(first * chunk, (first + 1) * chunk + 1), (second * chunk, (second + 1) * chunk + 1)]

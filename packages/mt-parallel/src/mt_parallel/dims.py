@@ -10,6 +10,29 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def check_ep_divides_experts(ep: int, num_experts: int) -> None:
+    """Raises ValueError, naming the sizes that fit, unless `ep` divides `num_experts`."""
+    if num_experts % ep:
+        divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
+        raise ValueError(
+            f"parallel.ep ({ep}) must divide num_experts ({num_experts}); "
+            f"choose one of {divisors[:8]}"
+        )
+
+
+def check_cp_divides_seq_len(cp: int, seq_len: int) -> None:
+    """Raises ValueError, naming sequence lengths and cp sizes that fit, unless 2·cp
+    divides `seq_len` (zigzag sharding cuts the sequence into 2·cp equal chunks)."""
+    if seq_len % (2 * cp):
+        lower = seq_len - seq_len % (2 * cp)
+        lengths = f"{lower} or {lower + 2 * cp}" if lower else f"{2 * cp}"
+        sizes = [1] + [c for c in range(2, seq_len // 2 + 1) if seq_len % (2 * c) == 0]
+        raise ValueError(
+            f"seq_len ({seq_len}) must be divisible by 2*parallel.cp ({2 * cp}) for zigzag "
+            f"context sharding; use seq_len {lengths}, or parallel.cp one of {sizes[:8]}"
+        )
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     """Sizes of the pipeline, data, context and expert mesh axes.
@@ -64,15 +87,7 @@ class ParallelDims:
             num_heads: attention heads (query heads).
             seq_len: training sequence length.
         """
-        if num_experts % self.ep:
-            divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
-            raise ValueError(
-                f"parallel.ep ({self.ep}) must divide num_experts ({num_experts}); "
-                f"choose one of {divisors[:8]}"
-            )
-        if self.cp > 1 and seq_len % (2 * self.cp):
-            raise ValueError(
-                f"seq_len ({seq_len}) must be divisible by 2*parallel.cp ({2 * self.cp}) "
-                "for zigzag context sharding"
-            )
+        check_ep_divides_experts(self.ep, num_experts)
+        if self.cp > 1:
+            check_cp_divides_seq_len(self.cp, seq_len)
         del num_heads  # context parallelism all-gathers keys and values: any head count

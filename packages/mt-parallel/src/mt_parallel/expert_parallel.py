@@ -43,6 +43,7 @@ from torch import Tensor, nn
 from mt_models import Routed
 from mt_models.layers.experts import GroupedExperts
 from mt_ops import DispatchPlan, permute, plan_dispatch, unpermute
+from mt_parallel.dims import check_ep_divides_experts
 
 
 def _exchange(x: Tensor, out_splits: list[int], in_splits: list[int], group) -> Tensor:
@@ -224,8 +225,7 @@ class ExpertParallelDispatcher:
         self.group = group
         self.ep = dist.get_world_size(group)
         self.ep_rank = dist.get_rank(group)
-        if num_experts % self.ep:
-            raise ValueError(f"parallel.ep ({self.ep}) must divide num_experts ({num_experts})")
+        check_ep_divides_experts(self.ep, num_experts)
         self.num_experts = num_experts
         self.num_local = num_experts // self.ep
         self.async_comm = async_comm
@@ -357,8 +357,7 @@ def apply_expert_parallel(
         if not isinstance(experts, GroupedExperts) or getattr(layer, "dispatcher", None) is None:
             continue
         total = experts.num_experts
-        if total % ep:
-            raise ValueError(f"parallel.ep ({ep}) must divide num_experts ({total})")
+        check_ep_divides_experts(ep, total)
         local = total // ep
         _slice_experts(experts, rank * local, local)
         layer.dispatcher = ExpertParallelDispatcher(total, group, async_comm=async_comm)

@@ -71,7 +71,9 @@ def build_mesh(dims: ParallelDims, device_type: str) -> ParallelMesh:
     if dist.get_world_size() != dims.world_size:
         raise ValueError(
             f"the process group has {dist.get_world_size()} ranks but the layout expects "
-            f"{dims.world_size}; launch as many processes as pp*dp*cp*ep"
+            f"{dims.world_size} (pp*dp*cp*ep = {dims.pp}*{dims.dp}*{dims.cp}*{dims.ep}); "
+            f"launch {dims.world_size} processes, or build ParallelDims with "
+            f"world_size={dist.get_world_size()}"
         )
     world = init_device_mesh(
         device_type, (dims.pp, dims.dp, dims.cp, dims.ep), mesh_dim_names=MESH_AXES

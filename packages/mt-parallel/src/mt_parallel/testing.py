@@ -9,6 +9,7 @@ the same global batch and asserts identical routing, loss and every gradient.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
 import traceback
@@ -505,3 +506,29 @@ def check_context_parallel_refuses_document_positions(seq_len: int = 8) -> None:
             assert "document masking" in str(err) and "cp=1" in str(err), str(err)
         else:
             raise AssertionError(f"rank {rank}: per-document positions {positions} passed")
+
+
+def check_layout_errors_name_the_fix(model_config: Any = None) -> None:
+    """On 3 ranks: `parallelize` with ep = 3 and 8 experts, and with a layout of 4 ranks,
+    raise ValueErrors naming the values and the sizes that fit (a `spawn` target)."""
+    from mt_models import qwen3_moe
+
+    model_config = model_config or qwen3_moe.debug()
+    world = dist.get_world_size()
+    cases = [
+        (ParallelDims(world_size=world, ep=world),
+         rf"parallel.ep \({world}\) must divide num_experts \(8\); choose one of \[1, 2, 4, 8\]"),
+        (ParallelDims(world_size=world + 1, ep=world + 1),
+         rf"has {world} ranks but the layout expects {world + 1} \(pp\*dp\*cp\*ep = "
+         rf"1\*1\*1\*{world + 1}\); launch {world + 1} processes, or build ParallelDims with "
+         rf"world_size={world}"),
+    ]  # fmt: skip
+    for dims, pattern in cases:
+        with torch.device("meta"):
+            model = build_model(model_config)
+        try:
+            parallelize(model, dims, "cpu", seed=0)
+        except ValueError as err:
+            assert re.search(pattern, str(err)), f"{err} does not match {pattern}"
+        else:
+            raise AssertionError(f"{dims} did not raise")
