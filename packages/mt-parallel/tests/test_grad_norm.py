@@ -141,6 +141,16 @@ def test_a_finite_norm_whose_square_passes_the_fp32_range_is_finite_and_clipped(
     assert _reference_norm(params) == pytest.approx(1.0, rel=1e-5)
 
 
+@pytest.mark.parametrize("max_norm", [-1.0, math.nan])
+def test_a_negative_or_nan_max_norm_is_refused_and_gradients_left_untouched(max_norm):
+    params = _params(seed=5)
+    before = _grads(params)
+    with pytest.raises(ValueError, match=rf"max_norm \({max_norm}\) must be >= 0; pass math.inf"):
+        clip_grad_norm(params, max_norm)
+    for p, g in zip(params, before, strict=True):
+        assert (p.grad is None) if g is None else _same_bits(p.grad, g)
+
+
 def test_no_gradients_give_a_zero_norm(path):
     params = [nn.Parameter(torch.zeros(3))]
     assert clip_grad_norm(params, 1.0) == 0.0

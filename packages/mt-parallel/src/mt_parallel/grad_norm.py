@@ -68,7 +68,7 @@ def clip_grad_norm(
 
     Args:
         parameters: parameters whose `.grad` to clip (DTensor or plain).
-        max_norm: the bound; `math.inf` only measures.
+        max_norm: the bound, >= 0; `math.inf` only measures.
         group: the ranks among which every gradient element lives once (the world
             when pp = 1); None for one process.
 
@@ -76,6 +76,10 @@ def clip_grad_norm(
         The global norm before clipping (inf/nan if a gradient is not finite; on GPU
         also if one gradient's own norm, summed in fp32, passes 1.8e19).
     """
+    if not max_norm >= 0:  # a negative bound flipped every gradient's sign; NaN clipped nothing
+        raise ValueError(
+            f"max_norm ({max_norm}) must be >= 0; pass math.inf to measure without clipping"
+        )
     grads = [_local(p.grad) for p in parameters if p.grad is not None]
     large = [g for g in grads if g.numel() >= _PER_TENSOR_MIN_NUMEL]
     small = _by_device_and_dtype([g for g in grads if g.numel() < _PER_TENSOR_MIN_NUMEL])
