@@ -56,6 +56,18 @@ def test_microbatch_gradients_equal_one_full_batch_with_ignored_labels():
     torch.testing.assert_close(result.ce_sum.float() / total, expected_mean.detach())
 
 
+def test_step_result_holds_fp64_loss_sums_and_an_int64_token_count_on_the_cpu():
+    # StepResult's docstring said fp32; the sums are accumulated in fp64.
+    ids = torch.randint(0, 11, (2, 7), generator=torch.Generator().manual_seed(0))
+    for mbs in ([MicroBatch(ids, ids)], []):
+        result = run_microbatches(_TinyLM(), mbs, 14)
+        assert (result.ce_sum.dtype, result.aux_loss.dtype) == (torch.float64, torch.float64)
+        assert result.num_tokens.dtype == torch.int64
+        assert {t.device.type for t in (result.ce_sum, result.num_tokens, result.aux_loss)} == {
+            "cpu"
+        }
+
+
 def test_zero_global_tokens_is_rejected():
     import pytest
 

@@ -71,7 +71,7 @@ def parallelize(
         seed: the run's seed for `init_weights`.
         param_dtype: compute dtype of gathered parameters (FSDP mixed precision).
         reduce_dtype: dtype of gradient reductions.
-        reshard_after_forward: FSDP2's reshard policy for decoder layers.
+        reshard_after_forward: FSDP2's reshard policy for decoder layers and experts.
         ep_async: asynchronous expert-parallel all-to-alls (a side CUDA stream on GPU);
             False keeps the synchronous dispatch.
 

@@ -46,9 +46,10 @@ class StepResult:
     """Detached sums over the micro-batches this rank ran.
 
     Attributes:
-        ce_sum: summed token cross-entropy (fp32 scalar).
-        num_tokens: number of tokens that carried a label (int64 scalar).
-        aux_loss: the weighted auxiliary loss, averaged over micro-batches (fp32 scalar).
+        ce_sum: summed token cross-entropy (fp64 scalar on the CPU).
+        num_tokens: number of tokens that carried a label (int64 scalar on the CPU).
+        aux_loss: the weighted auxiliary loss, averaged over micro-batches (fp64 scalar
+            on the CPU).
         losses: its unweighted terms (e.g. `load_balancing_loss`, `router_z_loss`, as the
             model's `LossOutput.losses` names them), averaged over micro-batches.
     """
