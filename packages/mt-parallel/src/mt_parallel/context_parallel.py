@@ -154,10 +154,12 @@ class ContextParallelAttention:
         dist.all_gather(parts, positions_S.contiguous(), group=self.group)
         # Along the sequence dim, in rank order as k_all and v_all: [S] or [B, S].
         kv_positions = torch.cat(parts, dim=-1)
+        # Inference tensors (torch.inference_mode) have no version counter.
+        version = 0 if positions_S.is_inference() else positions_S._version
         checked = self._checked
-        if checked is None or checked[0] is not positions_S or checked[1] != positions_S._version:
+        if checked is None or checked[0] is not positions_S or checked[1] != version:
             _check_global_positions(kv_positions)  # equal on every rank: all raise or none
-            self._checked = (positions_S, positions_S._version)
+            self._checked = (positions_S, version)
         return attention(
             q_BHSD, k_all, v_all, causal=True, scale=scale, window=window, sinks=sinks_H,
             q_positions=positions_S, kv_positions=kv_positions,

@@ -489,7 +489,7 @@ def check_context_parallel_refuses_document_positions(seq_len: int = 8) -> None:
     """The context-parallel core refuses per-document positions of packed samples (its
     mask is by global position, so it would let documents see each other) with a
     ValueError naming document masking, on every rank, and takes consecutive global
-    positions with an offset (a spawned CP group)."""
+    positions with an offset, in and out of inference mode (a spawned CP group)."""
     from mt_parallel.context_parallel import ContextParallelAttention
 
     cp, rank = dist.get_world_size(), dist.get_rank()
@@ -499,13 +499,16 @@ def check_context_parallel_refuses_document_positions(seq_len: int = 8) -> None:
     mine = zigzag_positions(seq_len, cp, rank)
     core(q, k, v, positions_S=mine + 3, scale=None, window=None, sinks_H=None)
     documents = torch.arange(seq_len) % (seq_len // 2)  # two packed documents per row
-    for positions in (documents[mine], torch.stack([mine, documents[mine]])):
-        try:
-            core(q, k, v, positions_S=positions, scale=None, window=None, sinks_H=None)
-        except ValueError as err:
-            assert "document masking" in str(err) and "cp=1" in str(err), str(err)
-        else:
-            raise AssertionError(f"rank {rank}: per-document positions {positions} passed")
+    for inference in (False, True):  # inference tensors have no version counter
+        with torch.inference_mode(inference):
+            core(q, k, v, positions_S=mine.clone(), scale=None, window=None, sinks_H=None)
+            for positions in (documents[mine], torch.stack([mine, documents[mine]])):
+                try:
+                    core(q, k, v, positions_S=positions, scale=None, window=None, sinks_H=None)
+                except ValueError as err:
+                    assert "document masking" in str(err) and "cp=1" in str(err), str(err)
+                else:
+                    raise AssertionError(f"rank {rank}: per-document positions {positions} passed")
 
 
 def check_layout_errors_name_the_fix(model_config: Any = None) -> None:
