@@ -28,9 +28,9 @@ the environment variable ``MT_OPS_FP8_BACKEND``):
   K a multiple of 512, once a one-time probe finds that it runs and computes right (on the
   H200, 16384×4096×4096: 1.1 PFLOP/s, 1.67× BF16 and 1.41× our Triton kernel), and for
   the dense wgrad (one group; both operands 1×128 along the tokens, its own probe; H200,
-  16k tokens: 1.43-1.83× our Triton kernel, e.g. 4096×2048 in 276 against 412 us); our
-  Triton kernels for other dense shapes and for grouped products (PyTorch's grouped FP8
-  path is rowwise only).
+  4k-16k tokens: 1.43-1.83× our Triton kernel, e.g. 4096×2048 over 16k in 276 against
+  412 us); our Triton kernels for other dense shapes and for grouped products (PyTorch's
+  grouped FP8 path is rowwise only).
 - ``"triton"``: our Triton kernels for everything.
 - ``"emulation"``: dequantize + fp32 matmul (the CPU default).
 """
