@@ -187,6 +187,28 @@ def test_load_hf_names_missing_weights_and_unknown_families(build_debug_model, t
     assert set(MODEL_FAMILIES) == {"qwen3_moe", "deepseek_v2", "gpt_oss"}
 
 
+_EXPERT_COUNT_FIELD = {
+    "qwen3_moe": "num_experts",
+    "deepseek_v2": "n_routed_experts",
+    "gpt_oss": "num_local_experts",
+}
+
+
+@pytest.mark.parametrize("family", sorted(MODEL_FAMILIES))
+def test_load_hf_key_mismatch_error_ends_with_the_config_json_fix(
+    family, build_debug_model, tmp_path
+):
+    save_hf(build_debug_model(family=family), tmp_path)
+    _edit_checkpoint(tmp_path, lambda t: t.update({"model.extra.weight": torch.zeros(2)}))
+    with pytest.raises(ValueError) as err:
+        load_hf(tmp_path)
+    message = str(err.value)
+    assert "unexpected ['model.extra.weight']" in message
+    assert f"put the config.json saved with these weights in {tmp_path}" in message
+    assert message.endswith("to match the weights")
+    assert "num_hidden_layers" in message and _EXPERT_COUNT_FIELD[family] in message
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2", "gpt_oss"])
 def test_load_hf_names_the_file_and_every_required_field_config_json_lacks(
     build_debug_model, tmp_path, family

@@ -70,6 +70,15 @@ class _HubTensor:
     scales_key: str | None = None
 
 
+# config.json fields that decide which tensor keys a family's model has: the usual
+# culprits when a checkpoint's keys and its config.json disagree.
+_LAYOUT_FIELDS = {
+    "qwen3_moe": "num_hidden_layers, num_experts, decoder_sparse_step and mlp_only_layers",
+    "deepseek_v2": "num_hidden_layers, n_routed_experts, n_shared_experts, "
+    "first_k_dense_replace and q_lora_rank",
+    "gpt_oss": "num_hidden_layers and num_local_experts",
+}
+
 # safetensors header dtype → torch dtype, to infer load_hf's dtype from the embedding.
 _HEADER_DTYPES = {
     "F64": torch.float64,
@@ -263,7 +272,10 @@ def _check_against_model(
     if missing or unexpected:
         raise ValueError(
             f"checkpoint {path} does not match its config.json: missing {missing[:5]} "
-            f"({len(missing)} in all), unexpected {unexpected[:5]} ({len(unexpected)} in all)"
+            f"({len(missing)} in all), unexpected {unexpected[:5]} ({len(unexpected)} in all); "
+            f"the weights and config.json (model_type {family!r}) describe different models: "
+            f"put the config.json saved with these weights in {path}, or correct its "
+            f"{_LAYOUT_FIELDS[family]} to match the weights"
         )
     for key, target in targets.items():
         if shapes[key] != tuple(target.shape):
