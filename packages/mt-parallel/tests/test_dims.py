@@ -35,6 +35,16 @@ def test_context_parallel_size_must_fit_the_sequence():
     ParallelDims(world_size=8, cp=8).validate_model(num_experts=8, num_heads=4, seq_len=64)
 
 
+@pytest.mark.parametrize("seq_len", [0, -4, 2])
+def test_a_sequence_shorter_than_two_cp_chunks_is_refused_naming_seq_len_and_cp(seq_len):
+    dims = ParallelDims(world_size=2, cp=2)
+    message = rf"seq_len \({seq_len}\) must be >= 2\*parallel.cp \(4\).*multiple of 4"
+    with pytest.raises(ValueError, match=message):
+        dims.validate_model(num_experts=8, num_heads=4, seq_len=seq_len)
+    with pytest.raises(ValueError, match=message):
+        zigzag_ranges(seq_len, 2, 0)
+
+
 def test_a_micro_batch_that_does_not_fit_the_batch_ranks_gets_sizes_that_do():
     from mt_parallel.parallelize import check_batch_split
 

@@ -22,7 +22,14 @@ def check_ep_divides_experts(ep: int, num_experts: int) -> None:
 
 def check_cp_divides_seq_len(cp: int, seq_len: int) -> None:
     """Raises ValueError, naming sequence lengths and cp sizes that fit, unless 2·cp
-    divides `seq_len` (zigzag sharding cuts the sequence into 2·cp equal chunks)."""
+    divides `seq_len` (zigzag sharding cuts the sequence into 2·cp equal chunks) and
+    `seq_len` >= 2·cp (every chunk holds at least one token; 0 is divisible by anything)."""
+    if seq_len < 2 * cp:
+        raise ValueError(
+            f"seq_len ({seq_len}) must be >= 2*parallel.cp ({2 * cp}): zigzag context "
+            f"sharding gives each of the 2*cp chunks at least one token; use seq_len a "
+            f"positive multiple of {2 * cp}, or a smaller parallel.cp"
+        )
     if seq_len % (2 * cp):
         lower = seq_len - seq_len % (2 * cp)
         lengths = f"{lower} or {lower + 2 * cp}" if lower else f"{2 * cp}"
