@@ -20,6 +20,7 @@ from mt_data import IndexedDataset, build_corpus
 from mt_data.build import CorpusError
 from mt_data.cli import main
 from mt_data.default_corpus import default_tokenizer_path, iter_default_documents
+from mt_data.inspection import inspect_corpus
 
 
 def _documents(num_bytes: int) -> list[str]:
@@ -311,6 +312,24 @@ def test_cli_inspect_prints_shards_counts_dtype_and_decoded_text(tmp_path, capsy
     capsys.readouterr()
     assert main(["inspect", str(tmp_path / "two")]) == 0
     assert capsys.readouterr().out.splitlines()[3].split()[:3] == ["total", "(2", "shards)"]
+
+
+def test_inspect_decodes_the_first_sequences_in_shard_order_and_says_so(tmp_path, capsys):
+    _write_jsonl(tmp_path / "in" / "a.jsonl", ["a = 1\n"])
+    _write_jsonl(tmp_path / "in" / "b.jsonl", ["b = 2\n"])
+    build_corpus([tmp_path / "in"], default_tokenizer_path(), tmp_path / "out", workers=0,
+                 progress=False)  # fmt: skip
+    report = inspect_corpus(tmp_path / "out", documents=2)
+    # One sequence per shard: the second comes from the second shard, not the first.
+    assert "--- a sequence 0:" in report and "--- b sequence 0:" in report
+    assert "b = 2" in report
+    # The docstring and --help say what it does: sequences, continuing into later shards.
+    assert "from the first shard" not in inspect_corpus.__doc__
+    assert "later shards" in " ".join(inspect_corpus.__doc__.split())
+    with pytest.raises(SystemExit):
+        main(["inspect", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "later shards" in help_text and "sequences to decode" in help_text
 
 
 def test_cli_inspect_refuses_a_missing_tokenizer_and_negative_counts(tmp_path, capsys):

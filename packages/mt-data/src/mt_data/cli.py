@@ -91,17 +91,21 @@ def _parser() -> argparse.ArgumentParser:
         help="print a corpus's shards, documents, tokens and dtype, and decode a sample",
         description=(
             "Print each shard of a corpus directory (or one Megatron shard prefix) with its "
-            "documents, tokens and dtype, then decode the first documents with the "
-            "tokenizer named in manifest.json (or --tokenizer)."
+            "documents, tokens and dtype, then decode the first sequences in shard order "
+            "(one per document in moetrain corpora; later shards when the first has too "
+            "few) with the tokenizer named in manifest.json (or --tokenizer)."
         ),
     )
     inspect.add_argument("path", metavar="PATH", help="corpus directory or shard prefix")
     inspect.add_argument("--tokenizer", default=None, help="tokenizer.json or its directory")
     inspect.add_argument(
-        "--documents", type=int, default=1, help="documents to decode (default: 1)"
+        "--documents",
+        type=int,
+        default=1,
+        help="sequences to decode, the first in shard order (default: 1)",
     )
     inspect.add_argument(
-        "--characters", type=int, default=300, help="characters shown per document"
+        "--characters", type=int, default=300, help="characters shown per sequence"
     )
 
     default = commands.add_parser(

@@ -22,12 +22,17 @@ def inspect_corpus(
 ) -> str:
     """A report of a corpus: per shard documents, tokens and dtype; totals; decoded text.
 
+    The decoded sample is the corpus's first `documents` sequences in shard order: the
+    first shard's, then the next shard's when it has fewer. A sequence is one document
+    in corpora moetrain writes; a Megatron-LM shard may split a document into several.
+
     Args:
         path: A corpus directory or one shard prefix (Megatron-LM corpora work too).
         tokenizer: Tokenizer to decode with; None uses the one named in manifest.json
             (no decoding when there is neither).
-        documents: Documents to decode, from the first shard.
-        characters: Characters of each decoded document to show.
+        documents: Sequences to decode, the first in shard order (continuing into later
+            shards).
+        characters: Characters of each decoded sequence to show.
 
     Returns:
         The report, several lines.
