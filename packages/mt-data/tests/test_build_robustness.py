@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from mt_data.build import CorpusError
 from mt_data.cli import main
 from mt_data.default_corpus import default_tokenizer_path, iter_default_documents
 from mt_data.inspection import inspect_corpus
+from mt_data.tokenizer import load_tokenizer
 
 
 def _documents(num_bytes: int) -> list[str]:
@@ -294,6 +296,21 @@ def test_parquet_inputs_give_the_same_shard_as_jsonl_and_count_null_texts(tmp_pa
     assert [str(b) for b in summary.bad_lines] == [
         f"{tmp_path / 'p.parquet'}:4: field 'text' is null"
     ]
+
+
+def test_bos_without_a_tokenizer_config_json_says_there_is_none_and_names_the_fix(tmp_path):
+    (tmp_path / "tok").mkdir()
+    file = (tmp_path / "tok").resolve() / "tokenizer.json"
+    file.write_bytes(default_tokenizer_path().read_bytes())  # no tokenizer_config.json
+    with pytest.raises(ValueError) as err:
+        load_tokenizer(tmp_path / "tok", bos=True)
+    message = str(err.value)
+    assert f"there is none beside {file}" in message and "--bos-token TOKEN" in message
+    assert str(tmp_path / "tok" / "tokenizer_config.json") not in message
+    config = default_tokenizer_path().resolve().parent / "tokenizer_config.json"  # no bos_token
+    with pytest.raises(ValueError, match=rf"{re.escape(str(config))} names no 'bos_token'; "
+                       r"add one or pass .* \(--bos-token TOKEN\)"):  # fmt: skip
+        load_tokenizer(default_tokenizer_path(), bos=True)
 
 
 def test_cli_inspect_prints_shards_counts_dtype_and_decoded_text(tmp_path, capsys):

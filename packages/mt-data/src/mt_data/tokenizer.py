@@ -187,11 +187,16 @@ def _resolve_bos(
     if bos is False:
         return None, None
     if bos is True:
-        token = _token_from_config(config_path, "bos_token") if config_path.is_file() else None
+        if not config_path.is_file():
+            raise ValueError(
+                f"bos=True (--bos) takes 'bos_token' from a tokenizer_config.json, but there "
+                f"is none beside {file}; pass the BOS token's text instead (--bos-token TOKEN)"
+            )
+        token = _token_from_config(config_path, "bos_token")
         if token is None:
             raise ValueError(
-                f"bos=True but {config_path} names no 'bos_token'; pass the BOS token's text "
-                "instead (--bos-token TOKEN)"
+                f"bos=True (--bos) but {config_path} names no 'bos_token'; add one or pass "
+                "the BOS token's text instead (--bos-token TOKEN)"
             )
     elif isinstance(bos, str) and bos:
         token = bos
