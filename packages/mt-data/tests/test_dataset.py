@@ -146,6 +146,22 @@ def test_load_state_dict_rejects_another_seq_len_corpus_or_version(corpus):
         TokenDataset(corpus[0], SEQ_LEN).load_state_dict({"consumed_samples": 0, "seed": 0})
 
 
+@pytest.mark.parametrize(
+    "drop, named",
+    [("seq_len", "['seq_len']"), ("seed", "['seed']"), ("corpus_weight", "['corpora[0].weight']")],
+)
+def test_load_state_dict_without_a_key_names_it_and_the_fix(corpus, drop, named):
+    state = TokenDataset(corpus[0], SEQ_LEN).state_dict()
+    if drop == "corpus_weight":
+        state["corpora"] = [{k: v for k, v in state["corpora"][0].items() if k != "weight"}]
+    else:
+        del state[drop]
+    with pytest.raises(ValueError) as err:
+        TokenDataset(corpus[0], SEQ_LEN).load_state_dict(state)
+    assert f"data loader state lacks {named}" in str(err.value)
+    assert "this dataset's state_dict() returned" in str(err.value)
+
+
 def test_directory_without_shards_or_tokens_is_an_error_naming_it(tmp_path):
     with pytest.raises(ValueError, match=f"{tmp_path} holds no shards"):
         TokenDataset(tmp_path, 8)
