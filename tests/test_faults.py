@@ -26,7 +26,9 @@ from mt_train.overrides import resolve_config
 from mt_train.recipes import get_recipe
 from mt_train.train import NonFiniteError, pretrain
 
-TINY = ["training.warmup_steps=0"]  # on top of the tiny recipe: a flat LR from step 1
+# On top of the tiny recipe: no warm-up, so the cosine decay starts at step 1 (step 1 runs
+# just below training.lr); the LR is not flat (that takes training.min_lr_ratio=1.0).
+TINY = ["training.warmup_steps=0"]
 
 
 def _cfg(run_dir, *overrides):

@@ -22,7 +22,9 @@ from mt_train.checkpoint import checkpoint_root, list_checkpoints
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["training.warmup_steps=0"]  # on top of the tiny recipe: a flat LR from step 1
+# On top of the tiny recipe: no warm-up, so the cosine decay starts at step 1 (step 1 runs
+# just below training.lr); the LR is not flat (that takes training.min_lr_ratio=1.0).
+TINY = ["training.warmup_steps=0"]
 
 
 def _logged_steps(run_dir):
