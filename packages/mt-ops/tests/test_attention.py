@@ -218,6 +218,29 @@ def test_invalid_window_and_sinks_shape_are_rejected():
         attention(q, q, q, sinks=torch.zeros(3))
 
 
+@pytest.mark.parametrize("fn", [attention, attention_reference])
+@pytest.mark.parametrize(
+    "name, value, message",
+    [
+        # Before, a batch of 3 against B=2 or a 3-D tensor failed in a broadcast with an
+        # error naming neither argument, and float positions were truncated to integers.
+        ("q_positions", torch.arange(4).expand(3, 4), r"q_positions shape \(\(3, 4\)\)"),
+        ("kv_positions", torch.zeros(2, 1, 4, dtype=torch.long), r"kv_positions shape"),
+        ("q_positions", torch.arange(4) + 0.5, r"q_positions dtype \(torch.float32\)"),
+        ("document_ids", torch.zeros(3, 4, dtype=torch.long), r"q_document_ids shape"),
+        ("document_ids", torch.zeros(4), r"q_document_ids dtype \(torch.float32\)"),
+    ],
+)
+def test_positions_and_document_ids_of_wrong_batch_rank_or_dtype_are_rejected_by_name(
+    fn, name, value, message
+):
+    q = torch.randn(2, 2, 4, 8)
+    both = {"q_document_ids": value, "kv_document_ids": value}
+    kwargs = both if name == "document_ids" else {name: value}
+    with pytest.raises(ValueError, match=message):
+        fn(q, q, q, **kwargs)
+
+
 def test_document_ids_keep_attention_inside_each_packed_document():
     q, k, v = _qkv((2, 4, 2, 10, 8), torch.float32, seed=9)
     docs = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2, 2, 2], [0] * 10])

@@ -107,6 +107,26 @@ def _check_documents(q_document_ids: Tensor | None, kv_document_ids: Tensor | No
         )
 
 
+def _check_rules(q: Tensor, k: Tensor, **rules: Tensor | None) -> None:
+    """Positions and document ids must be integer [S] or [B or 1, S] for their sequence."""
+    batch = q.shape[0]
+    for name, t in rules.items():
+        if t is None:
+            continue
+        length = q.shape[2] if name.startswith("q_") else k.shape[2]
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise ValueError(
+                f"{name} dtype ({t.dtype}) must be an integer type; pass integer token "
+                "positions or document ids (a float would be truncated)"
+            )
+        rows_ok = t.dim() == 1 or (t.dim() == 2 and t.shape[0] in (1, batch))
+        if not rows_ok or t.shape[-1] != length:
+            raise ValueError(
+                f"{name} shape ({tuple(t.shape)}) must be [{length}] or [B, {length}] with B "
+                f"1 or the batch ({batch}); pass one value per token of each row"
+            )
+
+
 def _positions(positions: Tensor | None, length: int, device: torch.device) -> Tensor:
     """Positions as int64 [B or 1, S]."""
     if positions is None:
@@ -410,6 +430,10 @@ def attention(
         in fp32 when ``return_lse``.
     """
     _check(q_BHSD, k_BHSD, v_BHSD, window, sinks)
+    _check_rules(
+        q_BHSD, k_BHSD, q_positions=q_positions, kv_positions=kv_positions,
+        q_document_ids=q_document_ids, kv_document_ids=kv_document_ids,
+    )  # fmt: skip
     kwargs = dict(
         causal=causal,
         scale=scale,
@@ -496,6 +520,10 @@ def attention_reference(
         in fp32 when ``return_lse``.
     """
     _check(q_BHSD, k_BHSD, v_BHSD, window, sinks)
+    _check_rules(
+        q_BHSD, k_BHSD, q_positions=q_positions, kv_positions=kv_positions,
+        q_document_ids=q_document_ids, kv_document_ids=kv_document_ids,
+    )  # fmt: skip
     scale = 1.0 / math.sqrt(q_BHSD.shape[-1]) if scale is None else scale
     group = q_BHSD.shape[1] // k_BHSD.shape[1]
     k = k_BHSD.float().repeat_interleave(group, dim=1)  # [B, Hq, Sk, Dqk]
