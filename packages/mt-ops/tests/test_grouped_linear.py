@@ -54,6 +54,33 @@ def test_grouped_linear_rejects_counts_not_summing_to_rows():
         grouped_linear(x_RD, w_EOD, torch.tensor([2, 3]))
 
 
+@pytest.mark.parametrize("count_dtype", [torch.int16, torch.uint8, torch.int32])
+def test_small_integer_counts_with_bias_match_int64_counts_forward_and_backward(count_dtype):
+    # Before, int16 / uint8 counts (integers, as the docstring asks) crashed in the bias's
+    # repeat_interleave, which only takes int32 / int64.
+    x_RD, w_EOD, counts_E = _inputs([3, 0, 5, 1], 6, 4, torch.float32)
+    bias_EO = torch.randn(4, 4)
+    params = [t.requires_grad_() for t in (x_RD, w_EOD, bias_EO)]
+    out = grouped_linear(*params[:2], counts_E.to(count_dtype), params[2])
+    grads = torch.autograd.grad(out.square().sum(), params)
+    ref = grouped_linear_reference(*params[:2], counts_E, params[2])
+    ref_grads = torch.autograd.grad(ref.square().sum(), params)
+    torch.testing.assert_close(out, ref)
+    for g, rg in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, rg)
+
+
+@pytest.mark.parametrize("fn", [grouped_linear, grouped_linear_reference])
+def test_float_or_negative_counts_are_rejected_by_name(fn):
+    # Before: a TypeError from split_with_sizes (float) and a RuntimeError naming
+    # split_sizes (negative), neither naming tokens_per_expert.
+    x_RD, w_EOD, _ = _inputs([3, 0, 5, 1], 6, 4, torch.float32)
+    with pytest.raises(ValueError, match=r"tokens_per_expert dtype \(torch.float32\)"):
+        fn(x_RD, w_EOD, torch.tensor([3.0, 0.0, 5.0, 1.0]))
+    with pytest.raises(ValueError, match=r"tokens_per_expert \(\[10, -1, 0, 0\]\)"):
+        fn(x_RD, w_EOD, torch.tensor([10, -1, 0, 0]))
+
+
 @pytest.mark.parametrize("fn", [grouped_linear, grouped_linear_reference])
 def test_x_or_bias_of_another_dtype_than_w_is_rejected_outside_autocast(fn):
     x_RD, w_EOD, counts_E = _inputs([3, 0, 2], 8, 4, torch.float32)

@@ -44,6 +44,12 @@ def _check_shapes(
             f"tokens_per_expert shape ({tuple(tokens_per_expert_E.shape)}) must be "
             f"[E] = [{w_EOD.shape[0]}]; pass one count per expert"
         )
+    dtype = tokens_per_expert_E.dtype
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        raise ValueError(
+            f"tokens_per_expert dtype ({dtype}) must be an integer type; pass the plan's "
+            "tokens_per_expert_E (int64) or a torch.bincount of the expert ids"
+        )
     if bias_EO is not None and bias_EO.shape != w_EOD.shape[:2]:
         raise ValueError(
             f"bias shape ({tuple(bias_EO.shape)}) must be [E, O] = {tuple(w_EOD.shape[:2])}"
@@ -74,14 +80,23 @@ def _offsets(tokens_per_expert_E: Tensor) -> Tensor:
     return torch.cumsum(tokens_per_expert_E, dim=0).to(torch.int32)  # [E], row ends
 
 
-def _split(t_RX: Tensor, tokens_per_expert_E: Tensor) -> tuple[Tensor, ...]:
+def _host_counts(tokens_per_expert_E: Tensor, num_rows: int) -> list[int]:
     counts = tokens_per_expert_E.tolist()  # host sync: the loop needs the split sizes
-    if sum(counts) != t_RX.shape[0]:
+    if any(c < 0 for c in counts):
         raise ValueError(
-            f"tokens_per_expert sums to {sum(counts)} but x has R={t_RX.shape[0]} rows; "
+            f"tokens_per_expert ({counts}) must hold no negative count; pass the rows "
+            "routed to each expert"
+        )
+    if sum(counts) != num_rows:
+        raise ValueError(
+            f"tokens_per_expert sums to {sum(counts)} but x has R={num_rows} rows; "
             "counts must add up to the routed rows"
         )
-    return torch.split(t_RX, counts, dim=0)
+    return counts
+
+
+def _split(t_RX: Tensor, tokens_per_expert_E: Tensor) -> tuple[Tensor, ...]:
+    return torch.split(t_RX, _host_counts(tokens_per_expert_E, t_RX.shape[0]), dim=0)
 
 
 def _forward(x_RD: Tensor, w_EOD: Tensor, tokens_per_expert_E: Tensor) -> Tensor:
@@ -192,6 +207,9 @@ def grouped_linear(
         ``y`` [R, O] in the dtype of ``x_RD``.
     """
     _check(x_RD, w_EOD, tokens_per_expert_E, bias_EO)
+    if tokens_per_expert_E.dtype not in (torch.int32, torch.int64):
+        # repeat_interleave (the bias) takes int32 / int64 counts only.
+        tokens_per_expert_E = tokens_per_expert_E.long()
     param = w_EOD
     dtype = autocast_dtype(x_RD.device)
     if dtype is not None:
@@ -258,12 +276,7 @@ def grouped_linear_reference(
         ``y`` [R, O] in the dtype of ``x_RD``.
     """
     _check(x_RD, w_EOD, tokens_per_expert_E, bias_EO)
-    counts = tokens_per_expert_E.tolist()  # host sync: the loop needs the split sizes
-    if sum(counts) != x_RD.shape[0]:
-        raise ValueError(
-            f"tokens_per_expert sums to {sum(counts)} but x has R={x_RD.shape[0]} rows; "
-            "counts must add up to the routed rows"
-        )
+    counts = _host_counts(tokens_per_expert_E, x_RD.shape[0])
     pieces = [
         x_e @ w_EOD[e].T + (0 if bias_EO is None else bias_EO[e].to(x_e.dtype))  # [count_e, O]
         for e, x_e in enumerate(torch.split(x_RD, counts, dim=0))
