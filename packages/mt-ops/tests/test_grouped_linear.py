@@ -70,6 +70,17 @@ def test_small_integer_counts_with_bias_match_int64_counts_forward_and_backward(
         torch.testing.assert_close(g, rg)
 
 
+def test_fp64_bias_gradient_is_the_fp64_segmented_sum_not_rounded_to_fp32():
+    # Before, segment_sum computed in fp32 whatever the dtype: fp64 bias gradients were
+    # off by fp32 rounding (~1e-7 relative).
+    x_RD, w_EOD, counts_E = _inputs([40, 0, 25, 7], 6, 4, torch.float64)
+    bias_EO = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    dy_RO = torch.randn(72, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    (grad_b,) = torch.autograd.grad(grouped_linear(x_RD, w_EOD, counts_E, bias_EO), bias_EO, dy_RO)
+    want = torch.stack([part.sum(0) for part in dy_RO.split(counts_E.tolist())])
+    torch.testing.assert_close(grad_b, want, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("fn", [grouped_linear, grouped_linear_reference])
 def test_float_or_negative_counts_are_rejected_by_name(fn):
     # Before: a TypeError from split_with_sizes (float) and a RuntimeError naming

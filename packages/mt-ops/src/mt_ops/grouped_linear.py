@@ -128,19 +128,20 @@ def _weight_grad(dy_RO: Tensor, x_RD: Tensor, tokens_per_expert_E: Tensor, w_EOD
 
 
 def segment_sum(t_RO: Tensor, tokens_per_expert_E: Tensor) -> Tensor:
-    """Sums each expert's consecutive rows (the per-expert bias gradient), in fp32.
+    """Sums each expert's consecutive rows (the per-expert bias gradient), in fp32 or wider.
 
     Args:
         t_RO: Rows grouped by expert [R, O].
         tokens_per_expert_E: Rows per expert [E], summing to R.
 
     Returns:
-        fp32 [E, O]; zero for experts with no rows.
+        [E, O] in fp32 (fp64 for fp64 rows); zero for experts with no rows.
     """
+    dtype = torch.promote_types(t_RO.dtype, torch.float32)  # fp64 rows are not rounded
     if t_RO.shape[0] == 0:
-        return t_RO.new_zeros(tokens_per_expert_E.numel(), t_RO.shape[1], dtype=torch.float32)
+        return t_RO.new_zeros(tokens_per_expert_E.numel(), t_RO.shape[1], dtype=dtype)
     return torch.segment_reduce(
-        t_RO.float(),
+        t_RO.to(dtype),
         "sum",
         lengths=tokens_per_expert_E.to(t_RO.device),
         axis=0,
