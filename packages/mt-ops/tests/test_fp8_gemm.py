@@ -104,6 +104,30 @@ def test_grouped_gemm_sum_rejects_pairs_of_different_layers():
         fp8_grouped_gemm_sum(p["xq"], p["wq"], p["dyq"], p["wqt"], p["tiles"])
 
 
+@pytest.mark.parametrize("gemm", [fp8_grouped_gemm, fp8_grouped_gemm_reference])
+def test_grouped_gemm_rejects_tiles_of_more_groups_than_weights(gemm):
+    # Before, rows of a group without a weight were left zero (emulation) or unwritten
+    # (the kernel's torch.empty output), silently.
+    p = _problem([0, 130, 3, 0, 67], 192, 160)
+    four_weights, _ = quantize_128x128(p["w"][:4].contiguous())
+    with pytest.raises(ValueError, match="tiles have 5 groups but B holds 4 weights"):
+        gemm(p["xq"], four_weights, p["tiles"], out_dtype=torch.float32)
+
+
+def test_gemms_reject_operands_of_two_scale_formats(triton_on_cpu):
+    # Before, the kernels raised KeyError('float8_e8m0fnu') and the emulation accepted them.
+    p = _problem([0, 130, 3, 0, 67], 192, 160)
+    w_e8m0, _ = quantize_128x128(p["w"], scale_format="e8m0")
+    _, xqt_e8m0 = quantize_1x128_dual(p["x"], tiles=p["tiles"], scale_format="e8m0")
+    message = r"A scale dtype \(torch.float32\) must equal B scale dtype \(torch.float8_e8m0fnu\)"
+    for gemm in (fp8_grouped_gemm, fp8_grouped_gemm_reference):
+        with pytest.raises(ValueError, match=message):
+            gemm(p["xq"], w_e8m0, p["tiles"], out_dtype=torch.float32)
+    for wgrad in (fp8_grouped_wgrad, fp8_grouped_wgrad_reference):
+        with pytest.raises(ValueError, match=message):
+            wgrad(p["dyqt"], xqt_e8m0, p["tiles"])
+
+
 @pytest.mark.parametrize("scale_format", ["fp32", "e8m0"])
 def test_grouped_wgrad_kernel_equals_emulation_and_accumulates_in_interpreter(
     scale_format, triton_on_cpu

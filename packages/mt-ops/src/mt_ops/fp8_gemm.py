@@ -281,6 +281,23 @@ def _check_grouped(a: Fp8Quantized, b: Fp8Quantized, tiles: RowTiles) -> None:
             f"A has {a.data.shape[0]} rows but the tiles cover {tiles.num_rows}; build the "
             "tiles with row_tiles(tokens_per_expert, num_rows=A rows)"
         )
+    num_groups = tiles.group_first_tile_G.numel() - 1
+    if num_groups != b.data.shape[0]:
+        # A group without a weight would leave its rows unwritten (the kernel's output is
+        # torch.empty) or zero (the emulation).
+        raise ValueError(
+            f"the tiles have {num_groups} groups but B holds {b.data.shape[0]} weights; build "
+            "the tiles from one count per expert of B"
+        )
+    _check_scale_formats(a, b)
+
+
+def _check_scale_formats(a: Fp8Quantized, b: Fp8Quantized) -> None:
+    if a.scale.dtype != b.scale.dtype:
+        raise ValueError(
+            f"A scale dtype ({a.scale.dtype}) must equal B scale dtype ({b.scale.dtype}); "
+            "quantize both operands with the same scale_format"
+        )
 
 
 def _grouped_gemm_triton(a, b, tiles, out_dtype, second=None):
@@ -628,6 +645,7 @@ def _check_wgrad(a_t: Fp8Quantized, b_t: Fp8Quantized, tiles: RowTiles) -> None:
             f"transposed data has {a_t.data.shape[1]} columns; tile-padded layout of "
             f"{tiles.num_tiles} tiles needs {BLOCK * tiles.num_tiles}; quantize with the same tiles"
         )
+    _check_scale_formats(a_t, b_t)
 
 
 def fp8_grouped_wgrad(
