@@ -363,7 +363,8 @@ def _launch_1x128(x_MK, tiles, rowwise, colwise, scale_format, source_rows=None,
     s = _empty_scales((num_rows, num_col_tiles) if rowwise else (0,), scale_format, dev)
     cfg = QUANT_CONFIG
     if not colwise:
-        col_tiles = min(cfg["rows_col_tiles"], triton.next_power_of_2(num_col_tiles))
+        # (At least 1: a [M, 0] input has no column tile, and a 0 would divide by zero.)
+        col_tiles = min(cfg["rows_col_tiles"], triton.next_power_of_2(max(num_col_tiles, 1)))
         num_col_groups = cdiv(num_col_tiles, col_tiles)
         launch(
             _quant_1x128_rows_kernel,
