@@ -32,6 +32,25 @@ def test_clamped_swiglu_reads_gate_at_even_and_up_at_odd_indices_float64():
     torch.testing.assert_close(clamped_swiglu_reference(gate_up), expected)
 
 
+@pytest.mark.parametrize("fn", [clamped_swiglu, clamped_swiglu_reference])
+def test_float64_gate_up_passes_gradcheck_and_is_not_rounded_to_fp32(fn):
+    # Before, fp64 inputs were computed in fp32 (``.float()``): outputs off by ~1e-7
+    # relative and finite-difference gradients off by orders of magnitude.
+    x = _gate_up((3, 10), torch.float64, seed=2, spread=4.0).requires_grad_()
+    gate, up = x.detach()[..., 0::2], x.detach()[..., 1::2]
+    g = gate.clamp(max=7.0)
+    expected = (up.clamp(-7.0, 7.0) + 1) * g * torch.sigmoid(1.702 * g)
+    torch.testing.assert_close(fn(x).detach(), expected, rtol=1e-14, atol=1e-14)
+    assert torch.autograd.gradcheck(fn, (x,))
+
+
+@pytest.mark.parametrize("bad", [dict(alpha=float("nan")), dict(limit=float("nan"))])
+def test_nan_alpha_or_limit_is_rejected(bad):
+    # Before, NaN passed the ``<= 0`` check and every output was NaN.
+    with pytest.raises(ValueError, match="must be > 0"):
+        clamped_swiglu(torch.randn(2, 4), **bad)
+
+
 def test_clamping_stops_the_gradient_beyond_the_limit():
     x = torch.tensor([[9.0, 8.0, 1.0, -9.0]], requires_grad=True)  # gate 9 and up 8 clamped
     clamped_swiglu(x, 1.702, 7.0).sum().backward()

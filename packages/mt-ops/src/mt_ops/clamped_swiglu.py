@@ -10,7 +10,8 @@ trip through memory, and autograd saves several temporaries. The fused kernel
 ``out``, and recomputes the activation in the backward.
 
 The public op is the eager expression in fp32 (strided slices, ``clamp``); the reference
-spells it out differently (pairs view, ``where``, ``exp``), also in fp32.
+spells it out differently (pairs view, ``where``, ``exp``), also in fp32 (both in fp64 for
+fp64 inputs).
 """
 
 import torch
@@ -25,10 +26,15 @@ def _check(gate_up: Tensor, alpha: float, limit: float) -> None:
             f"gate_up shape ({tuple(gate_up.shape)}) must have an even last dim (gate and up "
             "interleaved); pass the output of the fused gate_up projection"
         )
-    if alpha <= 0 or limit <= 0:
+    if not (alpha > 0 and limit > 0):  # (NaN fails every comparison)
         raise ValueError(
             f"alpha ({alpha}) and limit ({limit}) must be > 0 (GPT-OSS: 1.702 and 7.0)"
         )
+
+
+def _compute_dtype(gate_up: Tensor) -> torch.dtype:
+    """fp32, or fp64 for fp64 inputs (which fp32 would round)."""
+    return torch.promote_types(gate_up.dtype, torch.float32)
 
 
 def clamped_swiglu(gate_up: Tensor, alpha: float = 1.702, limit: float = 7.0) -> Tensor:
@@ -43,14 +49,14 @@ def clamped_swiglu(gate_up: Tensor, alpha: float = 1.702, limit: float = 7.0) ->
         Tensor [..., F] in the dtype of ``gate_up``.
     """
     _check(gate_up, alpha, limit)
-    x = gate_up.float()  # bf16 intermediates would round five times
+    x = gate_up.to(_compute_dtype(gate_up))  # bf16 intermediates would round five times
     gate = x[..., 0::2].clamp(max=limit)  # [..., F]
     up = x[..., 1::2].clamp(min=-limit, max=limit)  # [..., F]
     return ((up + 1) * (gate * torch.sigmoid(gate * alpha))).to(gate_up.dtype)
 
 
 def clamped_swiglu_reference(gate_up: Tensor, alpha: float = 1.702, limit: float = 7.0) -> Tensor:
-    """Plain-PyTorch fp32 reference of :func:`clamped_swiglu`.
+    """Plain-PyTorch fp32 (fp64 for fp64 inputs) reference of :func:`clamped_swiglu`.
 
     Args:
         gate_up: Interleaved gate/up projection [..., 2F] (gate at even, up at odd indices).
@@ -61,7 +67,7 @@ def clamped_swiglu_reference(gate_up: Tensor, alpha: float = 1.702, limit: float
         Tensor [..., F] in the dtype of ``gate_up``.
     """
     _check(gate_up, alpha, limit)
-    pairs = gate_up.float().unflatten(-1, (-1, 2))  # [..., F, 2]
+    pairs = gate_up.to(_compute_dtype(gate_up)).unflatten(-1, (-1, 2))  # [..., F, 2]
     gate, up = pairs[..., 0], pairs[..., 1]
     # Values at the bound keep their gradient (as ``clamp``); beyond it they lose it.
     gate = torch.where(gate > limit, torch.full_like(gate, limit), gate)

@@ -87,7 +87,7 @@ def clamped_swiglu_fused(gate_up: Tensor, alpha: float = 1.702, limit: float = 7
     """
     if not use_kernels(gate_up) or gate_up.numel() == 0 or gate_up.shape[-1] % 2:
         return clamped_swiglu(gate_up, alpha, limit)  # also raises on bad arguments
-    if alpha <= 0 or limit <= 0:
+    if not (alpha > 0 and limit > 0):  # NaN too: the eager op raises
         return clamped_swiglu(gate_up, alpha, limit)
     return _ClampedSwiGLUFn.apply(gate_up.contiguous(), float(alpha), float(limit))
 
