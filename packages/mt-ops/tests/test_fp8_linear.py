@@ -157,6 +157,22 @@ def test_fp8_linears_reject_counts_and_features_that_do_not_fit_as_grouped_linea
         FP8Linear.from_linear(nn.Linear(32, 16))(torch.randn(4, 64))
 
 
+@pytest.mark.parametrize("count_dtype", [torch.int16, torch.uint8])
+def test_fp8_grouped_linear_with_bias_takes_narrow_integer_counts(count_dtype):
+    # Before, int16 / uint8 counts crashed the bias's repeat_interleave (and segment_sum,
+    # the bias gradient), which take int32 / int64 only.
+    experts = FP8GroupedLinear.from_grouped_linear(_grouped(3, 32, 16, bias=True))
+    x = torch.randn(7, 32, requires_grad=True)
+    counts = torch.tensor([4, 0, 3])
+    out = experts(x, counts.to(count_dtype))
+    grads = torch.autograd.grad(out.square().sum(), [x, experts.weight, experts.bias])
+    want = experts(x, counts)
+    want_grads = torch.autograd.grad(want.square().sum(), [x, experts.weight, experts.bias])
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    for g, w in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
 def test_deferred_fp8_linear_weight_grad_lands_on_the_parameter():
     torch.manual_seed(5)
     immediate = FP8Linear.from_linear(nn.Linear(128, 64))

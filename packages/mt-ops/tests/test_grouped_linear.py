@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from mt_ops import GroupedLinear, grouped_linear, grouped_linear_reference
+from mt_ops.grouped_linear import segment_sum
 
 # (counts per expert, D, O): ragged with empty experts, dims not a multiple of any block,
 # and no rows at all.
@@ -79,6 +80,15 @@ def test_fp64_bias_gradient_is_the_fp64_segmented_sum_not_rounded_to_fp32():
     (grad_b,) = torch.autograd.grad(grouped_linear(x_RD, w_EOD, counts_E, bias_EO), bias_EO, dy_RO)
     want = torch.stack([part.sum(0) for part in dy_RO.split(counts_E.tolist())])
     torch.testing.assert_close(grad_b, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("count_dtype", [torch.int16, torch.uint8])
+def test_segment_sum_takes_narrow_integer_counts(count_dtype):
+    # Before: NotImplementedError from segment_reduce's lengths for Short / Byte.
+    t_RO = torch.randn(7, 3)
+    got = segment_sum(t_RO, torch.tensor([4, 0, 3], dtype=count_dtype))
+    want = torch.stack([t_RO[:4].sum(0), torch.zeros(3), t_RO[4:].sum(0)])
+    torch.testing.assert_close(got, want)
 
 
 @pytest.mark.parametrize("fn", [grouped_linear, grouped_linear_reference])

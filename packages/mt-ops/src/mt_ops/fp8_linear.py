@@ -45,7 +45,7 @@ from mt_ops.fp8_quant import (
     quantize_128x128,
     row_tiles,
 )
-from mt_ops.grouped_linear import GroupedLinear, segment_sum
+from mt_ops.grouped_linear import GroupedLinear, _wide_counts, segment_sum
 from mt_ops.grouped_linear import _check_shapes as _check_grouped_args
 
 __all__ = [
@@ -302,8 +302,9 @@ class FP8GroupedLinear(GroupedLinear):
             self.backend, self.scale_format, _needs_weight_grad(self.weight),
         )  # fmt: skip
         return _FP8GroupedLinearFn.apply(
-            _autocast_input(x_RD).contiguous(), self.weight, self.bias, tokens_per_expert_E, call
-        )
+            _autocast_input(x_RD).contiguous(), self.weight, self.bias,
+            _wide_counts(tokens_per_expert_E), call,
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         return f"{self.num_experts}, {self.in_features}, {self.out_features}, fp8"

@@ -65,6 +65,14 @@ def _check(
     check_same_dtype(("w", w_EOD), ("x", x_RD), ("bias", bias_EO))
 
 
+def _wide_counts(tokens_per_expert_E: Tensor) -> Tensor:
+    """The counts as int32 / int64, the only integer types of repeat_interleave (the bias)
+    and segment_reduce (its gradient); narrower integers are widened to int64."""
+    if tokens_per_expert_E.dtype in (torch.int32, torch.int64):
+        return tokens_per_expert_E
+    return tokens_per_expert_E.long()
+
+
 def _use_grouped_mm(x_RD: Tensor, w_EOD: Tensor) -> bool:
     return (
         x_RD.is_cuda
@@ -143,7 +151,7 @@ def segment_sum(t_RO: Tensor, tokens_per_expert_E: Tensor) -> Tensor:
     return torch.segment_reduce(
         t_RO.to(dtype),
         "sum",
-        lengths=tokens_per_expert_E.to(t_RO.device),
+        lengths=_wide_counts(tokens_per_expert_E).to(t_RO.device),
         axis=0,
         unsafe=True,
         initial=0.0,
@@ -208,9 +216,7 @@ def grouped_linear(
         ``y`` [R, O] in the dtype of ``x_RD``.
     """
     _check(x_RD, w_EOD, tokens_per_expert_E, bias_EO)
-    if tokens_per_expert_E.dtype not in (torch.int32, torch.int64):
-        # repeat_interleave (the bias) takes int32 / int64 counts only.
-        tokens_per_expert_E = tokens_per_expert_E.long()
+    tokens_per_expert_E = _wide_counts(tokens_per_expert_E)
     param = w_EOD
     dtype = autocast_dtype(x_RD.device)
     if dtype is not None:
