@@ -143,6 +143,19 @@ def test_bf16_rows_with_fp32_weights_and_bias_under_autocast_match_reference(
         assert_close(g.float(), rg.float(), torch.bfloat16, f"grad {name}")
 
 
+def test_reference_with_fp32_rows_and_bias_under_autocast_returns_the_autocast_dtype():
+    # Before, the reference added the bias in x's dtype (fp32), promoting the bf16 product
+    # back to fp32, while the op (and nn.Linear) return bf16.
+    x_RD, w_EOD, counts_E = _inputs([5, 0, 9, 2], 16, 24, torch.float32)
+    bias_EO = torch.randn(4, 24, generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = grouped_linear_reference(x_RD, w_EOD, counts_E, bias_EO)
+        want = grouped_linear(x_RD, w_EOD, counts_E, bias_EO)
+        linear = torch.nn.functional.linear(x_RD[:5], w_EOD[0], bias_EO[0])
+    assert got.dtype == want.dtype == linear.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_grouped_mm_path_matches_reference_on_cuda(assert_close, run_with_grads):

@@ -213,7 +213,7 @@ def grouped_linear(
             computed in the backward (see :mod:`mt_ops.deferred_wgrad`).
 
     Returns:
-        ``y`` [R, O] in the dtype of ``x_RD``.
+        ``y`` [R, O] in the dtype of ``x_RD`` (the autocast dtype under autocast).
     """
     _check(x_RD, w_EOD, tokens_per_expert_E, bias_EO)
     tokens_per_expert_E = _wide_counts(tokens_per_expert_E)
@@ -280,14 +280,16 @@ def grouped_linear_reference(
         bias_EO: Optional per-expert bias [E, O], added to each of the expert's rows.
 
     Returns:
-        ``y`` [R, O] in the dtype of ``x_RD``.
+        ``y`` [R, O] in the dtype of ``x_RD`` (the autocast dtype under autocast).
     """
     _check(x_RD, w_EOD, tokens_per_expert_E, bias_EO)
     counts = _host_counts(tokens_per_expert_E, x_RD.shape[0])
-    pieces = [
-        x_e @ w_EOD[e].T + (0 if bias_EO is None else bias_EO[e].to(x_e.dtype))  # [count_e, O]
-        for e, x_e in enumerate(torch.split(x_RD, counts, dim=0))
-    ]
+    pieces = []
+    for e, x_e in enumerate(torch.split(x_RD, counts, dim=0)):
+        y_e = x_e @ w_EOD[e].T  # [count_e, O], the autocast dtype under autocast
+        # The bias in the product's dtype, as nn.Linear under autocast (x's dtype promoted
+        # a bf16 product back to fp32).
+        pieces.append(y_e if bias_EO is None else y_e + bias_EO[e].to(y_e.dtype))
     if not pieces:
         return x_RD.new_zeros(x_RD.shape[0], w_EOD.shape[1])
     return torch.cat(pieces, dim=0)  # [R, O]
