@@ -147,6 +147,16 @@ def test_grouped_wgrad_kernel_equals_emulation_and_accumulates_in_interpreter(
         fp8_grouped_wgrad(p["dyqt"], p["xqt"], p["tiles"], out=got.bfloat16())
 
 
+@pytest.mark.parametrize("wgrad", [fp8_grouped_wgrad, fp8_grouped_wgrad_reference])
+@pytest.mark.parametrize("shape", [(4, 160, 192), (5, 160, 1), (160, 192)])
+def test_grouped_wgrad_rejects_an_out_of_another_shape_by_name(wgrad, shape):
+    # Before: a broadcast RuntimeError in the emulation, and on GPU the kernel wrote
+    # [G, N, K] through raw offsets past a smaller out.
+    p = _problem([0, 130, 3, 0, 67], 192, 160)
+    with pytest.raises(ValueError, match=r"out shape .* must be \[G, N, K\] = \[5, 160, 192\]"):
+        wgrad(p["dyqt"], p["xqt"], p["tiles"], out=torch.zeros(shape))
+
+
 def test_emulated_fp8_products_are_within_calc_diff_of_exact_products():
     counts = [100, 0, 37, 200]
     p = _problem(counts, 256, 384)

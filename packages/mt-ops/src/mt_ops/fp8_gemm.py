@@ -634,7 +634,9 @@ def _fp8_grouped_wgrad_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
-def _check_wgrad(a_t: Fp8Quantized, b_t: Fp8Quantized, tiles: RowTiles) -> None:
+def _check_wgrad(
+    a_t: Fp8Quantized, b_t: Fp8Quantized, tiles: RowTiles, out: Tensor | None = None
+) -> None:
     if a_t.data.dim() != 2 or b_t.data.dim() != 2 or a_t.data.shape[1] != b_t.data.shape[1]:
         raise ValueError(
             f"transposed operands' data shapes ({tuple(a_t.data.shape)}, "
@@ -646,6 +648,13 @@ def _check_wgrad(a_t: Fp8Quantized, b_t: Fp8Quantized, tiles: RowTiles) -> None:
             f"{tiles.num_tiles} tiles needs {BLOCK * tiles.num_tiles}; quantize with the same tiles"
         )
     _check_scale_formats(a_t, b_t)
+    expected = (tiles.group_first_tile_G.numel() - 1, a_t.data.shape[0], b_t.data.shape[0])
+    if out is not None and tuple(out.shape) != expected:
+        # The kernel writes [G, N, K] through raw offsets: a smaller out is overrun.
+        raise ValueError(
+            f"out shape ({tuple(out.shape)}) must be [G, N, K] = {list(expected)}; pass the "
+            "weight's fp32 main_grad of the stacked [E, out, in] layout"
+        )
 
 
 def fp8_grouped_wgrad(
@@ -675,7 +684,7 @@ def fp8_grouped_wgrad(
     Returns:
         [G, N, K] in ``out_dtype`` (``out`` itself when given, with the product added).
     """
-    _check_wgrad(a_t, b_t, tiles)
+    _check_wgrad(a_t, b_t, tiles, out)
     if out is not None and out.dtype != torch.float32:
         raise ValueError(
             f"out ({out.dtype}) must be float32 to accumulate into; accumulate into an fp32 "
@@ -726,7 +735,7 @@ def fp8_grouped_wgrad_reference(
 ) -> Tensor:
     """Exact emulation of :func:`fp8_grouped_wgrad`: dequantize, fp32 matmul per group."""
     del backend
-    _check_wgrad(a_t, b_t, tiles)
+    _check_wgrad(a_t, b_t, tiles, out)
     a_NM = dequantize_tiles_transposed(a_t, tiles, tiles.num_rows)
     b_KM = dequantize_tiles_transposed(b_t, tiles, tiles.num_rows)
     num_groups = tiles.group_first_tile_G.numel() - 1
