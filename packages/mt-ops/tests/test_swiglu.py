@@ -28,6 +28,15 @@ def test_swiglu_reference_matches_float64_formula():
     torch.testing.assert_close(swiglu(gate, up), F.silu(gate) * up)
 
 
+def test_swiglu_reference_of_float64_inputs_equals_the_op_and_passes_gradcheck():
+    # Before, the reference rounded fp64 inputs through fp32 (``.float()``): ~1e-7 off the
+    # op (eager fp64 on CPU), and finite differences of it fail gradcheck.
+    gen = torch.Generator().manual_seed(2)
+    gate, up = torch.randn(2, 4, 7, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(swiglu_reference(gate, up), swiglu(gate, up), rtol=1e-14, atol=1e-14)
+    assert torch.autograd.gradcheck(swiglu_reference, (gate.requires_grad_(), up.requires_grad_()))
+
+
 def test_swiglu_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="gate shape"):
         swiglu(torch.randn(2, 8), torch.randn(2, 9))

@@ -107,7 +107,7 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
 
 
 def swiglu_reference(gate: Tensor, up: Tensor) -> Tensor:
-    """Plain-PyTorch reference of :func:`swiglu`, computed in fp32.
+    """Plain-PyTorch reference of :func:`swiglu`, computed in fp32 (fp64 for fp64 inputs).
 
     Args:
         gate: Gate projection, any shape.
@@ -117,8 +117,9 @@ def swiglu_reference(gate: Tensor, up: Tensor) -> Tensor:
         Tensor of the shape and dtype of ``gate``.
     """
     _check(gate, up)
-    g = gate.float()
-    return (g * torch.sigmoid(g) * up.float()).to(gate.dtype)
+    dtype = torch.promote_types(gate.dtype, torch.float32)  # fp64 is not rounded to fp32
+    g = gate.to(dtype)
+    return (g * torch.sigmoid(g) * up.to(dtype)).to(gate.dtype)
 
 
 def _kernel_function_for_test():
