@@ -11,7 +11,7 @@ is how one-GPU training runs bf16 activations against fp32 parameters.
 import torch
 from torch import Tensor
 
-__all__ = ["autocast_dtype", "check_same_dtype"]
+__all__ = ["autocast_dtype", "check_same_dtype", "is_integer"]
 
 
 def autocast_dtype(device: torch.device) -> torch.dtype | None:
@@ -25,6 +25,11 @@ def autocast_dtype(device: torch.device) -> torch.dtype | None:
     if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return None
+
+
+def is_integer(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` holds integers (ids, counts, positions): not float, complex or bool."""
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 
 def check_same_dtype(expected: tuple[str, Tensor], *others: tuple[str, Tensor | None]) -> None:

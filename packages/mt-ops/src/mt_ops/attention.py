@@ -48,7 +48,7 @@ from torch.nn.attention.flex_attention import (
     flex_attention,
 )
 
-from mt_ops._dtypes import check_same_dtype
+from mt_ops._dtypes import check_same_dtype, is_integer
 
 __all__ = ["apply_sinks", "attention", "attention_reference"]
 
@@ -114,7 +114,7 @@ def _check_rules(q: Tensor, k: Tensor, **rules: Tensor | None) -> None:
         if t is None:
             continue
         length = q.shape[2] if name.startswith("q_") else k.shape[2]
-        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        if not is_integer(t.dtype):
             raise ValueError(
                 f"{name} dtype ({t.dtype}) must be an integer type; pass integer token "
                 "positions or document ids (a float would be truncated)"

@@ -22,7 +22,7 @@ gradients come back in the parameters' dtypes.
 import torch
 from torch import Tensor, nn
 
-from mt_ops._dtypes import autocast_dtype, check_same_dtype
+from mt_ops._dtypes import autocast_dtype, check_same_dtype, is_integer
 from mt_ops.deferred_wgrad import WeightGradQueue, accumulate_grad
 
 __all__ = ["GroupedLinear", "grouped_linear", "grouped_linear_reference", "segment_sum"]
@@ -45,7 +45,7 @@ def _check_shapes(
             f"[E] = [{w_EOD.shape[0]}]; pass one count per expert"
         )
     dtype = tokens_per_expert_E.dtype
-    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+    if not is_integer(dtype):
         raise ValueError(
             f"tokens_per_expert dtype ({dtype}) must be an integer type; pass the plan's "
             "tokens_per_expert_E (int64) or a torch.bincount of the expert ids"

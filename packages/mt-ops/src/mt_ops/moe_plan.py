@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from mt_ops._dtypes import is_integer
 from mt_ops._triton import cdiv, launch, tl, triton, use_kernels
 
 __all__ = ["DispatchPlan", "plan_dispatch", "plan_dispatch_reference"]
@@ -73,7 +74,7 @@ def _check(topk_ids_TK: Tensor, num_experts: int, num_ranks: int | None) -> None
             "and sequence into T"
         )
     dtype = topk_ids_TK.dtype
-    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+    if not is_integer(dtype):
         raise ValueError(
             f"topk_ids dtype ({dtype}) must be an integer type; pass the router's "
             "top-k indices, not its weights"

@@ -239,7 +239,7 @@ def resolve_config(
     """
     data = base.to_dict()
     declared = field_types(base)
-    known = {k: v for k, v in flatten(data).items() if k not in _FIXED_KEYS}
+    known = _settable(data)
     if toml_path is not None:
         path = Path(toml_path)
         try:
@@ -253,7 +253,7 @@ def resolve_config(
         except tomllib.TOMLDecodeError as err:
             raise ValueError(f"config file {path} is not valid TOML: {err}") from None
         _merge_toml(data, table, known, str(path), declared)
-        known = {k: v for k, v in flatten(data).items() if k not in _FIXED_KEYS}
+        known = _settable(data)
     for item in overrides:
         key, sep, text = item.partition("=")
         key = key.strip()
@@ -267,8 +267,13 @@ def resolve_config(
             raise _unknown_key_error(key, list(known), "the command line")
         value = parse_value(text, current, key, declared.get(key, Any))
         _set(data, key, value)
-        known = {k: v for k, v in flatten(data).items() if k not in _FIXED_KEYS}
+        known = _settable(data)
     return JobConfig.from_dict(data)
+
+
+def _settable(data: dict[str, Any]) -> dict[str, Any]:
+    """The keys an override may set now, with their values (every leaf but the fixed ones)."""
+    return {k: v for k, v in flatten(data).items() if k not in _FIXED_KEYS}
 
 
 def _value_at(data: dict[str, Any], dotted: str) -> Any:
