@@ -3,7 +3,7 @@
 - dispatch planning (per-expert counts, per-EP-rank deduplicated counts, counting sort,
   inverse) against the eager sequence that makes the same fields (bincount, stable argsort,
   inverse scatter, scattered rank mask, sum) at 16k tokens × top-8 of 128 experts on 8 EP
-  ranks: wall time per call (ours is bound by its launches' host time there) and GPU
+  ranks: wall time per call (ours is one launch, whose host time is most of it) and GPU
   kernel time alone;
 - permute and unpermute (forward and backward) GB/s against a device-to-device copy;
 - fused SwiGLU forward + backward against eager;
@@ -119,19 +119,19 @@ def permute_kernels(x_TD, y_RD, plan, weights_TK) -> dict:
 
 
 def sweep() -> None:
-    """Times the planning kernels' warps (GPU time) and each PERMUTE_CONFIG pair (columns per
-    step, warps) of the three permute kernels at the planning shapes, prints them, and
-    leaves the fastest in the configs."""
+    """Times the planning kernel's warps and counts rows per step (GPU time) and each
+    PERMUTE_CONFIG pair (columns per step, warps) of the three permute kernels at the
+    planning shapes, prints them, and leaves the fastest in the configs."""
     num_tokens, num_experts, topk, dim = 16384, 128, 8, 2048
     topk_ids = torch.rand(num_tokens, num_experts, device="cuda").topk(topk, dim=-1).indices
     plan_config, times = moe_plan.PLAN_CONFIG, {}
-    for warps in itertools.product((1, 2, 4, 8), repeat=2):
-        plan_config["count_warps"], plan_config["scatter_warps"] = warps
-        times[warps] = kernel_us(lambda: plan_dispatch(topk_ids, num_experts, num_ranks=8))
+    for warps, block_q in itertools.product((4, 8), (32, 128)):
+        plan_config["warps"], plan_config["block_q"] = warps, block_q
+        times[warps, block_q] = kernel_us(lambda: plan_dispatch(topk_ids, num_experts, num_ranks=8))
     best = min(times, key=times.get)
-    plan_config["count_warps"], plan_config["scatter_warps"] = best
-    listed = ", ".join(f"{c}/{s}: {us:.1f}" for (c, s), us in times.items())
-    print(f"sweep plan (count/scatter warps: GPU us) {listed} -> best {best}")
+    plan_config["warps"], plan_config["block_q"] = best
+    listed = ", ".join(f"{w}/{q}: {us:.1f}" for (w, q), us in times.items())
+    print(f"sweep plan (warps/count rows: GPU us) {listed} -> best {best}")
     plan = plan_dispatch(topk_ids, num_experts)
     x = torch.randn(num_tokens, dim, device="cuda", dtype=torch.bfloat16)
     y = torch.randn(num_tokens * topk, dim, device="cuda", dtype=torch.bfloat16)

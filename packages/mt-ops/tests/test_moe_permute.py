@@ -133,8 +133,21 @@ PLAN_CASES = [(70, 128, 8, 8), (90, 64, 6, 4), (0, 8, 2, 2), (5, 6, 1, 3), (33, 
 def test_plan_kernels_equal_the_eager_plan_in_interpreter(case):
     num_tokens, num_experts, topk, num_ranks = case
     topk_ids_TK, _ = _routing(num_tokens, num_experts, topk, seed=5)
-    got = _run_plan_kernels_for_test(topk_ids_TK, num_experts, num_ranks)
-    _assert_same_plan(got, plan_dispatch_reference(topk_ids_TK, num_experts, num_ranks=num_ranks))
+    expected = plan_dispatch_reference(topk_ids_TK, num_experts, num_ranks=num_ranks)
+    _assert_same_plan(_run_plan_kernels_for_test(topk_ids_TK, num_experts, num_ranks), expected)
+    # Several programs (the GPU's grid): 3 steps of 8 tokens each at T = 70 and 90, none
+    # for the last programs at T = 0 and 5.
+    got = _run_plan_kernels_for_test(topk_ids_TK, num_experts, num_ranks, 4, block_tokens=8)
+    _assert_same_plan(got, expected)
+
+
+def test_plan_kernels_place_an_expert_a_token_picks_twice():
+    # Routers pick distinct experts, but the plan does not rely on it: slots of one expert
+    # in one token keep their slot order.
+    topk_ids_TK = torch.randint(0, 5, (41, 4), generator=torch.Generator().manual_seed(3))
+    expected = plan_dispatch_reference(topk_ids_TK, 5, num_ranks=5)
+    got = _run_plan_kernels_for_test(topk_ids_TK, 5, 5, 3, block_tokens=8)
+    _assert_same_plan(got, expected)
 
 
 def test_tokens_per_rank_count_each_token_once_per_rank():

@@ -111,13 +111,15 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
         kernel: A ``@triton.jit`` function.
         grid: Launch grid; an empty grid (a zero in it) launches nothing.
         *args: Kernel arguments (tensors on one device, ints, floats).
-        **kwargs: Keyword arguments (constexprs, ``num_warps``, ``num_stages``).
+        **kwargs: Keyword arguments (constexprs, ``num_warps``, ``num_stages``,
+            ``launch_cooperative_grid``; the interpreter drops the last three).
     """
     if any(g == 0 for g in grid):
         return
     on_cpu = any(isinstance(a, torch.Tensor) and not a.is_cuda for a in args)
     if on_cpu:
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")}
+        launch_options = ("num_warps", "num_stages", "launch_cooperative_grid")
+        kwargs = {k: v for k, v in kwargs.items() if k not in launch_options}
         _run_interpreted(kernel, grid, args, kwargs)
     else:
         kernel[grid](*args, **kwargs)

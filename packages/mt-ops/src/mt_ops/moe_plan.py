@@ -1,7 +1,6 @@
 """MoE routing plan: sort the (token, expert) slots by expert, count per expert and EP rank.
 
-Legend: T tokens, E experts, K top-k, R routed rows (R = T·K), P expert-parallel ranks,
-B token blocks (of ``_PLAN_TOKENS`` tokens).
+Legend: T tokens, E experts, K top-k, R routed rows (R = T·K), P expert-parallel ranks.
 
 Each token picks K experts; slot ``t·K + k`` is its k-th pick. Grouped GEMMs need the slots
 sorted by expert (stable: token order within an expert), plus per-expert counts; expert
@@ -10,20 +9,22 @@ go there: a token is sent once to each rank that owns any of its experts.
 
 Eager PyTorch plans with about twenty small ops (bincount, stable argsort, an inverse
 scatter, a floor-divide, and for the ranks a one-hot, any(), sum and nonzero), each a launch
-and a pass over memory, and the sort is device-wide. Here it is a counting sort in
-three kernels:
+and a pass over memory, and the sort is device-wide. Here it is one kernel launch
+(``_plan_kernel``), a counting sort in two phases with a grid-wide barrier between them:
 
-1. ``_plan_count_kernel``: per block of tokens, the per-expert histogram of its slots
-   (an [E, B] table, no atomics) and, per token, the set of ranks it goes to
-   (deduplicated) with per-block rank counts.
-2. ``_plan_scan_kernel`` (one program per expert, one for the ranks): each (expert,
-   block)'s count of rows in earlier blocks, the per-expert and per-rank totals.
-3. ``_plan_scatter_kernel``: each slot's row = rows of earlier experts + its expert's rows in
-   earlier blocks + earlier slots of the same expert in its block; writes the sort
-   permutation, its inverse and the source token of every row.
+1. each program counts the slots of its contiguous range of tokens per expert and the
+   ranks each of its tokens goes to (deduplicated), and publishes its counts;
+2. each program reads the counts of all programs: the totals, and the rows of every expert
+   held by earlier programs. Then a slot's row = rows of earlier experts + its expert's rows
+   in earlier programs + earlier slots of the same expert in the program (from sorting
+   (expert, slot) keys); it writes the sort permutation, its inverse and the source token
+   of every row.
 
-The result equals the stable argsort exactly (tests check it against the reference).
-On CUDA the expert ids are not range-checked (that would need a host sync).
+The barrier needs every program resident at once, so CUDA launches it cooperatively (one
+program per SM); Triton's interpreter, which runs programs one after another, runs the two
+phases as two launches. The result equals the stable argsort exactly (tests check it
+against the reference). On CUDA the expert ids are not range-checked (that would need a
+host sync); ids out of range are left out of the counts and their slots unplaced.
 """
 
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ import torch
 from torch import Tensor
 
 from mt_ops._dtypes import is_integer
-from mt_ops._triton import cdiv, launch, tl, triton, use_kernels
+from mt_ops._triton import cdiv, launch, num_sms, tl, triton, use_kernels
 
 __all__ = ["DispatchPlan", "plan_dispatch", "plan_dispatch_reference"]
 
@@ -88,109 +89,161 @@ def _check(topk_ids_TK: Tensor, num_experts: int, num_ranks: int | None) -> None
         )
 
 
-# 16 tokens × K slots per program (128 slots for K = 8): 16k tokens make 1024 programs.
-# The histogram is tl.histogram over the block's slots (masked slots land in bin E, which is
-# dropped); the rank dedup is a [16, K, P] compare; the within-block rank a 128 × 128 compare.
-_PLAN_TOKENS = 16
-# Warps of the three kernels, from ``bench_ops_moe.py --sweep`` on the H200 (16k tokens, top-8
-# of 128, 8 ranks; GPU time of the three): 1 and 1 warps 17.4 us, the earlier 4 and 8 warps
-# 43.7 us (the scatter alone 10.8 against 35.0); 8 or 32 tokens per program: 18.1 and 95 us.
-PLAN_CONFIG = {"count_warps": 1, "scan_warps": 4, "scatter_warps": 1}
+# Tokens one program sorts per step, and the launch's programs per SM, warps per program
+# and counts rows read per step of phase 2. H200, 16k tokens, top-8 of 128 experts, 8
+# ranks (``bench_ops_moe.py --sweep``), GPU time: 128 tokens, 8 warps, 128 rows 19.8 us;
+# 4 warps 21.3; 32 rows 27.0-29.4; 32 or 64 tokens 21.7-30.8. The three-kernel plan before
+# it took 17.1 us of GPU time but three launches of host time (wall 97-175 us against
+# 54-61); a [tokens, E] table of picks in place of the sort took 42-400 us.
+_PLAN_TOKENS = 128
+PLAN_CONFIG = {"programs_per_sm": 1, "warps": 8, "block_q": 128}
 
 
 @triton.jit
-def _plan_count_kernel(
-    ids_ptr, expert_hist_ptr, rank_mask_ptr, rank_hist_ptr,
-    num_tokens, topk, num_experts, experts_per_rank, num_ranks, num_blocks,
+def _grid_barrier(arrived_ptr, target):
+    """Waits until ``target`` arrivals are counted at ``arrived_ptr``, counting this program's
+    own; the writes before it are then visible to every program. Needs every program of the
+    grid resident at once: a cooperative launch (or a one-program grid)."""
+    tl.debug_barrier()  # the program's stores are issued before its arrival is published
+    tl.atomic_add(arrived_ptr, 1, sem="release")
+    # Poll with plain loads (read-modify-writes of one word from every program would queue
+    # behind each other in L2), then acquire once.
+    while tl.load(arrived_ptr, volatile=True) < target:
+        pass
+    tl.atomic_add(arrived_ptr, 0, sem="acquire")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _load_step(ids_ptr, t0, t_end, topk, num_experts, BLOCK_T: tl.constexpr,
+               BLOCK_K: tl.constexpr):  # fmt: skip
+    """Expert ids of tokens [t0, t0 + BLOCK_T) ∩ [.., t_end) as [BLOCK_T, BLOCK_K], the
+    tokens, and which ids are real: slots past the token range or past K, and ids out of
+    [0, E) (not checked on CUDA, and then left unplaced), read as E."""
+    tokens = t0 + tl.arange(0, BLOCK_T)
+    ks = tl.arange(0, BLOCK_K)
+    ok = (tokens < t_end)[:, None] & (ks < topk)[None, :]
+    slots = tokens[:, None].to(tl.int64) * topk + ks[None, :]
+    ids = tl.load(ids_ptr + slots, mask=ok, other=0).to(tl.int32)
+    ok = ok & (ids >= 0) & (ids < num_experts)
+    return tl.where(ok, ids, num_experts), tokens, ok
+
+
+@triton.jit
+def _count_experts(ids, ok, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr):
+    """[BLOCK_E] counts of the real ids of a step (BLOCK_S slots)."""
+    real = tl.reshape(ok, [BLOCK_S])
+    return tl.histogram(tl.reshape(tl.where(ok, ids, 0), [BLOCK_S]), BLOCK_E, mask=real)
+
+
+# Program p owns the contiguous tokens [p·Tp, (p+1)·Tp); after the barrier, each slot's row
+# is  rows of experts < e + Σ_{q<p} count[q, e] + e's slots earlier in p.  The last term
+# comes from sorting each step's (expert, slot) keys: in sorted position j, e's slots
+# earlier in the step are j − (step slots of experts < e).
+@triton.jit
+def _plan_kernel(
+    ids_ptr, scratch_ptr, rank_mask_ptr, results_ptr, num_tokens, topk, num_experts,
+    num_ranks, results_stride, num_programs,
     HAS_RANKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_S: tl.constexpr, BINS: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr, PHASES: tl.constexpr,
 ):  # fmt: skip
-    b = tl.program_id(0)
-    lanes = tl.arange(0, BLOCK_S)
-    slots = b * BLOCK_T * topk + lanes
-    slot_ok = (lanes < BLOCK_T * topk) & (slots < num_tokens * topk)
-    ids = tl.load(ids_ptr + slots, mask=slot_ok, other=0).to(tl.int32)
-    ids = tl.where(slot_ok, ids, num_experts)  # masked slots go to the dropped bin E
-    hist = tl.histogram(ids, BINS)  # [BINS]
-    experts = tl.arange(0, BINS)
-    # Stored expert-major ([E, B]) so that the scan reads each expert's column contiguously.
-    tl.store(expert_hist_ptr + experts.to(tl.int64) * num_blocks + b, hist,
-             mask=experts < num_experts)  # fmt: skip
-    if HAS_RANKS:
-        tokens = b * BLOCK_T + tl.arange(0, BLOCK_T)
-        ks = tl.arange(0, BLOCK_K)
-        ok = (tokens < num_tokens)[:, None] & (ks < topk)[None, :]
-        ids_2d = tl.load(ids_ptr + tokens[:, None].to(tl.int64) * topk + ks[None, :], mask=ok,
-                         other=-1).to(tl.int32)  # fmt: skip
-        ranks = tl.arange(0, BLOCK_P)
-        rank_of = tl.where(ids_2d >= 0, ids_2d // experts_per_rank, -1)  # [BT, BK]
-        hits = (rank_of[:, :, None] == ranks[None, None, :]).to(tl.int32)  # [BT, BK, BP]
-        goes = tl.max(hits, axis=1)  # [BT, BP]: token goes to rank (deduplicated)
-        t_ok = tokens < num_tokens
-        p_ok = ranks < num_ranks
-        mask_offs = tokens[:, None].to(tl.int64) * num_ranks + ranks[None, :]
-        tl.store(rank_mask_ptr + mask_offs, goes.to(tl.int8), mask=t_ok[:, None] & p_ok[None, :])
-        rank_hist = tl.sum(goes, axis=0)  # [BP]
-        tl.store(rank_hist_ptr + b.to(tl.int64) * num_ranks + ranks, rank_hist, mask=p_ok)
-
-
-# One program per expert scans its column of block counts, 1024 blocks a step; one more
-# program sums the rank counts.
-_SCAN_BLOCKS = 1024
-
-
-@triton.jit
-def _plan_scan_kernel(
-    expert_hist_ptr, rank_hist_ptr, block_base_ptr, tokens_per_expert_ptr,
-    tokens_per_rank_ptr, num_blocks, num_experts, num_ranks,
-    BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr,
-):  # fmt: skip
-    e = tl.program_id(0)
-    if e < num_experts:
-        carry = tl.zeros((), dtype=tl.int32)
-        for b0 in range(0, num_blocks, BLOCK_B):
-            blocks = b0 + tl.arange(0, BLOCK_B)
-            ok = blocks < num_blocks
-            offs = e.to(tl.int64) * num_blocks + blocks
-            hist = tl.load(expert_hist_ptr + offs, mask=ok, other=0)
-            tl.store(block_base_ptr + offs, tl.cumsum(hist, axis=0) - hist + carry, mask=ok)
-            carry += tl.sum(hist, axis=0)
-        tl.store(tokens_per_expert_ptr + e, carry.to(tl.int64))
-    else:
-        ranks = tl.arange(0, BLOCK_P)
-        p_ok = ranks < num_ranks
-        total = tl.zeros((BLOCK_P,), dtype=tl.int32)
-        for b0 in range(0, num_blocks, BLOCK_B):
-            blocks = b0 + tl.arange(0, BLOCK_B)
-            ok = (blocks < num_blocks)[:, None] & p_ok[None, :]
-            offs = blocks[:, None].to(tl.int64) * num_ranks + ranks[None, :]
-            total += tl.sum(tl.load(rank_hist_ptr + offs, mask=ok, other=0), axis=0)
-        tl.store(tokens_per_rank_ptr + ranks, total.to(tl.int64), mask=p_ok)
-
-
-@triton.jit
-def _plan_scatter_kernel(
-    ids_ptr, base_ptr, tokens_per_expert_ptr, sorted_slot_ptr, row_of_slot_ptr,
-    sorted_token_ptr, num_slots, topk, num_experts, num_blocks, slots_per_block,
-    BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr,
-):  # fmt: skip
-    b = tl.program_id(0)
-    lanes = tl.arange(0, BLOCK_S)
-    slots = b * slots_per_block + lanes
-    ok = (lanes < slots_per_block) & (slots < num_slots)
-    ids = tl.load(ids_ptr + slots, mask=ok, other=-1).to(tl.int32)
-    earlier = (ids[:, None] == ids[None, :]) & (lanes[None, :] < lanes[:, None])
-    rank_in_block = tl.sum(earlier.to(tl.int32), axis=1)  # [BS]
-    # Rows of all experts before this slot's expert: Σ_e count[e]·[e < id].
+    # PHASES: 3 runs both phases with the barrier between them; 1 or 2 runs one phase (the
+    # interpreter, which runs programs one after another, launches the two in turn).
+    p = tl.program_id(0)
+    # int32 scratch (_plan_kernels): the arrival count, then [programs, BLOCK_E] expert counts
+    # and [programs, BLOCK_P] rank counts. int64 results: [E] and [P] counts, then three
+    # slot arrays of results_stride.
+    arrived_ptr = scratch_ptr
+    expert_count_ptr = scratch_ptr + 4
+    rank_count_ptr = expert_count_ptr + num_programs * BLOCK_E
+    tokens_per_program = tl.cdiv(num_tokens, num_programs)
+    t_begin = p * tokens_per_program
+    t_end = tl.minimum(t_begin + tokens_per_program, num_tokens)
     experts = tl.arange(0, BLOCK_E)
-    counts = tl.load(tokens_per_expert_ptr + experts, mask=experts < num_experts, other=0)
-    counts = counts.to(tl.int32)
-    expert_start = tl.sum(tl.where(experts[None, :] < ids[:, None], counts[None, :], 0), axis=1)
-    base = tl.load(base_ptr + ids.to(tl.int64) * num_blocks + b, mask=ok, other=0)
-    rows = expert_start + base + rank_in_block
-    tl.store(sorted_slot_ptr + rows, slots.to(tl.int64), mask=ok)
-    tl.store(sorted_token_ptr + rows, (slots // topk).to(tl.int64), mask=ok)
-    tl.store(row_of_slot_ptr + slots, rows.to(tl.int64), mask=ok)
+    ranks = tl.arange(0, BLOCK_P)
+    if PHASES != 2:  # 1. Count this program's slots per expert and its tokens per rank.
+        count = tl.zeros((BLOCK_E,), dtype=tl.int32)
+        rank_count = tl.zeros((BLOCK_P,), dtype=tl.int32)
+        for t0 in range(t_begin, t_end, BLOCK_T):
+            ids, tokens, ok = _load_step(ids_ptr, t0, t_end, topk, num_experts, BLOCK_T, BLOCK_K)
+            count += _count_experts(ids, ok, BLOCK_T * BLOCK_K, BLOCK_E)
+            if HAS_RANKS:
+                rank_of = ids // (num_experts // num_ranks)  # E (masked slots) -> rank P
+                hits = (rank_of[:, :, None] == ranks[None, None, :]).to(tl.int32)  # [T, K, P]
+                goes = tl.max(hits, axis=1)  # [T, P]: token goes to rank (deduplicated)
+                t_ok = tokens < t_end
+                p_ok = ranks < num_ranks
+                mask_offs = tokens[:, None].to(tl.int64) * num_ranks + ranks[None, :]
+                tl.store(rank_mask_ptr + mask_offs, goes.to(tl.int8),
+                         mask=t_ok[:, None] & p_ok[None, :])  # fmt: skip
+                rank_count += tl.sum(goes, axis=0)
+        tl.store(expert_count_ptr + p * BLOCK_E + experts, count)
+        tl.store(rank_count_ptr + p * BLOCK_P + ranks, rank_count)
+    if PHASES == 3:
+        _grid_barrier(arrived_ptr, num_programs)
+    if PHASES != 1:
+        _rows(
+            ids_ptr, expert_count_ptr, rank_count_ptr, results_ptr, p, t_begin, t_end, topk,
+            num_experts, num_ranks, results_stride, num_programs, HAS_RANKS, BLOCK_T, BLOCK_K,
+            BLOCK_E, BLOCK_P, BLOCK_Q,
+        )  # fmt: skip
+
+
+@triton.jit
+def _rows(
+    ids_ptr, expert_count_ptr, rank_count_ptr, results_ptr, p, t_begin, t_end, topk,
+    num_experts, num_ranks, results_stride, num_programs,
+    HAS_RANKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr,
+):  # fmt: skip
+    """Phase 2 of ``_plan_kernel`` for program ``p``: the totals (program 0 writes them) and
+    the rows of its slots."""
+    tokens_per_expert_ptr = results_ptr
+    tokens_per_rank_ptr = results_ptr + num_experts
+    sorted_slot_ptr = results_ptr + results_stride
+    sorted_token_ptr = sorted_slot_ptr + results_stride
+    row_of_slot_ptr = sorted_token_ptr + results_stride
+    experts = tl.arange(0, BLOCK_E)
+    ranks = tl.arange(0, BLOCK_P)
+    # 2. Counts of earlier programs and totals.
+    before = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    total = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    rank_total = tl.zeros((BLOCK_P,), dtype=tl.int32)
+    for q0 in range(0, num_programs, BLOCK_Q):
+        qs = q0 + tl.arange(0, BLOCK_Q)
+        q_ok = qs < num_programs
+        counts = tl.load(expert_count_ptr + qs[:, None] * BLOCK_E + experts[None, :],
+                         mask=q_ok[:, None], other=0, cache_modifier=".cg")  # fmt: skip
+        total += tl.sum(counts, axis=0)
+        before += tl.sum(tl.where((qs < p)[:, None], counts, 0), axis=0)
+        if HAS_RANKS:
+            rank_counts = tl.load(rank_count_ptr + qs[:, None] * BLOCK_P + ranks[None, :],
+                                  mask=q_ok[:, None], other=0, cache_modifier=".cg")  # fmt: skip
+            rank_total += tl.sum(rank_counts, axis=0)
+    if p == 0:
+        tl.store(tokens_per_expert_ptr + experts, total.to(tl.int64), mask=experts < num_experts)
+        if HAS_RANKS:
+            tl.store(tokens_per_rank_ptr + ranks, rank_total.to(tl.int64), mask=ranks < num_ranks)
+    # The row of this program's next slot of each expert.
+    next_row = tl.cumsum(total, axis=0) - total + before
+    # 3. Sort each step's slots by (expert, slot) and write their rows.
+    lanes = tl.arange(0, BLOCK_T * BLOCK_K)
+    for t0 in range(t_begin, t_end, BLOCK_T):
+        ids, _, ok = _load_step(ids_ptr, t0, t_end, topk, num_experts, BLOCK_T, BLOCK_K)
+        step_count = _count_experts(ids, ok, BLOCK_T * BLOCK_K, BLOCK_E)
+        keys = tl.sort(tl.reshape(ids, [BLOCK_T * BLOCK_K]) * (BLOCK_T * BLOCK_K) + lanes)
+        expert = keys // (BLOCK_T * BLOCK_K)
+        lane = keys % (BLOCK_T * BLOCK_K)
+        # Sorted position j of expert e: rows next_row[e] + j − (step slots of experts < e).
+        offset = next_row - (tl.cumsum(step_count, axis=0) - step_count)
+        ok = expert < num_experts  # the rest sort last
+        rows = tl.gather(offset, tl.where(ok, expert, 0), axis=0) + lanes
+        token = t0 + lane // BLOCK_K
+        slot = token.to(tl.int64) * topk + lane % BLOCK_K
+        tl.store(sorted_slot_ptr + rows, slot, mask=ok)
+        tl.store(sorted_token_ptr + rows, token.to(tl.int64), mask=ok)
+        tl.store(row_of_slot_ptr + slot, rows.to(tl.int64), mask=ok)
+        next_row += step_count
 
 
 def _pow2(n: int) -> int:
@@ -201,64 +254,56 @@ def _round2(n: int) -> int:
     return n + n % 2
 
 
-def _plan_kernels(topk_ids_TK: Tensor, num_experts: int, num_ranks: int | None) -> DispatchPlan:
+def _plan_kernels(
+    topk_ids_TK: Tensor,
+    num_experts: int,
+    num_ranks: int | None,
+    num_programs: int | None = None,
+    block_tokens: int = _PLAN_TOKENS,
+) -> DispatchPlan:
     num_tokens, topk = topk_ids_TK.shape
     dev = topk_ids_TK.device
     ids = topk_ids_TK.contiguous()
-    num_blocks = cdiv(num_tokens, _PLAN_TOKENS)
     has_ranks = num_ranks is not None
     num_p = num_ranks or 1
-    # Two allocations (int32 counts, int64 results) instead of eight: at 16k tokens the
-    # plan's GPU work is ~45 us on the H200, so host time per call counts.
-    num_eb, num_bp = num_experts * num_blocks, num_blocks * num_p if has_ranks else 0
-    counts32 = torch.empty(2 * num_eb + num_bp, dtype=torch.int32, device=dev)
-    expert_hist_EB, block_base_EB = counts32[: 2 * num_eb].view(2, num_experts, num_blocks)
-    rank_hist_BP = counts32[2 * num_eb :].view(num_bp // num_p, num_p)
+    on_cuda = dev.type == "cuda"
+    if num_programs is None:  # the interpreter's programs run one by one: one is faster there
+        num_programs = PLAN_CONFIG["programs_per_sm"] * num_sms(dev) if on_cuda else 1
+        num_programs = max(1, min(num_programs, cdiv(num_tokens, block_tokens)))
+    block_e, block_p = _pow2(num_experts), _pow2(num_p)
+    # Three allocations and few views: the plan's GPU work is ~20 us at 16k tokens on the
+    # H200, so its host time per call is what a caller waits for.
+    scratch = torch.zeros(4 + num_programs * (block_e + block_p), dtype=torch.int32, device=dev)
     rank_mask_TP = torch.empty(num_tokens if has_ranks else 0, num_p, dtype=torch.int8, device=dev)
     num_slots = num_tokens * topk
-    head, stride = _round2(num_experts + num_p), _round2(num_slots)  # 16-byte aligned parts
-    results64 = torch.empty(head + 3 * stride, dtype=torch.int64, device=dev)
-    tokens_per_expert_E = results64[:num_experts]
-    tokens_per_rank_P = results64[num_experts : num_experts + num_p]
-    sorted_slot_R, sorted_token_R, row_of_slot_R = results64[head:].view(3, stride)[:, :num_slots]
-    block_slots = _PLAN_TOKENS * topk
-    launch(
-        _plan_count_kernel, (num_blocks,), ids, expert_hist_EB, rank_mask_TP, rank_hist_BP,
-        num_tokens, topk, num_experts, num_experts // num_p, num_p, num_blocks,
-        HAS_RANKS=has_ranks, BLOCK_T=_PLAN_TOKENS, BLOCK_K=_pow2(topk),
-        BLOCK_S=_pow2(block_slots), BINS=_pow2(num_experts + 1), BLOCK_P=_pow2(num_p),
-        num_warps=PLAN_CONFIG["count_warps"],
-    )  # fmt: skip
-    # Each (expert, block)'s rows in earlier blocks, and each expert's total.
-    launch(
-        _plan_scan_kernel, (num_experts + int(has_ranks),), expert_hist_EB, rank_hist_BP,
-        block_base_EB, tokens_per_expert_E, tokens_per_rank_P, num_blocks, num_experts, num_p,
-        BLOCK_B=_SCAN_BLOCKS, BLOCK_P=_pow2(num_p),
-        num_warps=PLAN_CONFIG["scan_warps"],
-    )  # fmt: skip
-    launch(
-        _plan_scatter_kernel, (num_blocks,), ids.view(-1), block_base_EB, tokens_per_expert_E,
-        sorted_slot_R, row_of_slot_R, sorted_token_R, num_slots, topk, num_experts, num_blocks,
-        block_slots, BLOCK_S=_pow2(block_slots), BLOCK_E=_pow2(num_experts),
-        num_warps=PLAN_CONFIG["scatter_warps"],
-    )  # fmt: skip
-    if num_blocks == 0:
-        tokens_per_expert_E.zero_()
-        tokens_per_rank_P.zero_()
+    stride = max(_round2(num_slots), _round2(num_experts + num_p))  # 16-byte aligned parts
+    results64 = torch.empty(4, stride, dtype=torch.int64, device=dev)
+    # On CUDA one cooperative launch, which keeps every program resident as the barrier
+    # needs; the interpreter runs programs one after another, so it launches each phase.
+    for phases in (3,) if on_cuda else (1, 2):
+        launch(
+            _plan_kernel, (num_programs,), ids, scratch, rank_mask_TP, results64, num_tokens,
+            topk, num_experts, num_p, stride, num_programs,
+            HAS_RANKS=has_ranks, BLOCK_T=block_tokens, BLOCK_K=_pow2(topk), BLOCK_E=block_e,
+            BLOCK_P=block_p, BLOCK_Q=PLAN_CONFIG["block_q"], PHASES=phases,
+            num_warps=PLAN_CONFIG["warps"], launch_cooperative_grid=True,
+        )  # fmt: skip
+    _, sorted_slot_R, sorted_token_R, row_of_slot_R = results64[:, :num_slots]
+    counts64 = results64[0]
     return DispatchPlan(
-        tokens_per_expert_E=tokens_per_expert_E,
+        tokens_per_expert_E=counts64[:num_experts],
         sorted_token_ids_R=sorted_token_R,
         sorted_slot_R=sorted_slot_R,
         row_of_slot_R=row_of_slot_R,
         num_tokens=num_tokens,
         topk=topk,
-        tokens_per_rank_P=tokens_per_rank_P if has_ranks else None,
+        tokens_per_rank_P=counts64[num_experts : num_experts + num_p] if has_ranks else None,
         token_to_rank_TP=rank_mask_TP.view(torch.bool) if has_ranks else None,
     )
 
 
 def _kernels_apply(topk_ids_TK: Tensor) -> bool:
-    return 0 < topk_ids_TK.shape[1] <= 16  # the in-block compare is (16·K)² lanes
+    return 0 < topk_ids_TK.shape[1] <= 16  # a step sorts 128·K keys in registers
 
 
 def plan_dispatch(
@@ -282,10 +327,13 @@ def plan_dispatch(
     return plan_dispatch_reference(topk_ids_TK, num_experts, num_ranks=num_ranks)
 
 
-def _run_plan_kernels_for_test(topk_ids_TK, num_experts, num_ranks=None) -> DispatchPlan:
-    """The kernel path on any device (Triton's interpreter on CPU); tests use it."""
+def _run_plan_kernels_for_test(
+    topk_ids_TK, num_experts, num_ranks=None, num_programs=None, block_tokens=_PLAN_TOKENS
+) -> DispatchPlan:
+    """The kernel path on any device (Triton's interpreter on CPU); tests use it, also with
+    more programs and shorter steps than the defaults."""
     _check(topk_ids_TK, num_experts, num_ranks)
-    return _plan_kernels(topk_ids_TK, num_experts, num_ranks)
+    return _plan_kernels(topk_ids_TK, num_experts, num_ranks, num_programs, block_tokens)
 
 
 def plan_dispatch_reference(
