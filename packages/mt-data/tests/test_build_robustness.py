@@ -407,3 +407,18 @@ def test_cli_progress_shows_throughput_in_bytes_documents_and_tokens(tmp_path, c
     assert main([*argv, "--output", str(tmp_path / "out"), "--workers", "0"]) == 0
     err = capsys.readouterr().err
     assert "B/s" in err and "docs/s" in err and "tok/s" in err and "100%" in err
+
+
+def test_a_number_too_long_for_int_in_another_field_does_not_stop_the_build(tmp_path, tokenizer):
+    path = tmp_path / "big.jsonl"
+    big = "7" * 5000  # int() refuses more than 4300 digits
+    lines = ['{"text": "a"}', f'{{"text": "b", "id": {big}}}', f'{{"id": {big}, "text": }}',
+             '{"text": "c"}']  # fmt: skip
+    path.write_text("\n".join(lines) + "\n")
+    summary = build_corpus([path], default_tokenizer_path(), tmp_path / "out", workers=0,
+                           progress=False)  # fmt: skip
+    assert [str(b) for b in summary.bad_lines] == [
+        f"{path}:3: malformed JSON (Expecting value at column 5018)"
+    ]
+    shard = IndexedDataset(tmp_path / "out" / "big")
+    assert [shard[i].tolist() for i in range(len(shard))] == _expected(tokenizer, ["a", "b", "c"])

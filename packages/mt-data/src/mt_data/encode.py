@@ -44,6 +44,17 @@ class EncodedBatch:
     num_bytes: int = 0
 
 
+def _loads(line: str) -> object:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        raise
+    except ValueError:
+        # Valid JSON with a number of more than 4300 digits in some field, which int()
+        # refuses (sys.get_int_max_str_digits): read integers as floats, the text needs none.
+        return json.loads(line, parse_int=float)
+
+
 def _parse_line(raw: bytes, text_key: str) -> str | tuple[str, str]:
     """The document text of one JSON line, or (kind, reason) when there is none."""
     try:
@@ -51,7 +62,7 @@ def _parse_line(raw: bytes, text_key: str) -> str | tuple[str, str]:
     except UnicodeDecodeError as e:
         return "invalid_utf8", f"invalid UTF-8 at byte {e.start}"
     try:
-        record = json.loads(line)
+        record = _loads(line)
     except json.JSONDecodeError as e:
         return "malformed_json", f"malformed JSON ({e.msg} at column {e.colno})"
     except RecursionError:  # json's parser recurses once per nesting level
