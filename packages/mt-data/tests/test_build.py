@@ -252,6 +252,19 @@ def test_directories_and_globs_expand_and_same_stems_get_unique_names(tmp_path):
     assert summary.num_documents == 3
 
 
+def test_same_stems_of_file_names_that_are_not_utf8_get_unique_names(tmp_path):
+    # b"caf\xe9" (Latin-1) reads back as "caf\udce9", which str.encode() refused.
+    inputs = []
+    for part in ("d1", "d2"):
+        (tmp_path / part).mkdir()
+        name = os.fsdecode(os.fsencode(tmp_path / part) + b"/caf\xe9.jsonl")
+        inputs.append(write_jsonl(Path(name), [part]))
+    summary = _build(inputs, tmp_path / "out")
+    names = [s.name for s in summary.shards]
+    assert len(set(names)) == 2 and all(n.startswith("caf\udce9-") for n in names)
+    assert summary.num_documents == 2
+
+
 def test_an_input_named_only_by_its_suffix_gets_a_shard_inside_the_output(tmp_path):
     from mt_data import TokenDataset
 

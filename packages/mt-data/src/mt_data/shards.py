@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -176,7 +177,8 @@ def shard_names(files: Sequence[Path]) -> list[str]:
     for stem in stems:
         counts[stem] = counts.get(stem, 0) + 1
     return [
-        stem if counts[stem] == 1 else f"{stem}-{hashlib.sha1(str(f).encode()).hexdigest()[:8]}"
+        # os.fsencode: a file name that is not UTF-8 holds surrogates str.encode() refuses.
+        stem if counts[stem] == 1 else f"{stem}-{hashlib.sha1(os.fsencode(f)).hexdigest()[:8]}"
         for stem, f in zip(stems, files, strict=True)
     ]
 
