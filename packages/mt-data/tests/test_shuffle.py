@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -23,6 +25,18 @@ def test_the_key_chooses_the_order_and_lookups_are_pointwise():
     np.testing.assert_array_equal(a, IndexPermutation(n, [1, 0, 0])(np.arange(n)))
     positions = np.array([9_999, 0, 5_000, 5_000])
     np.testing.assert_array_equal(IndexPermutation(n, [1, 0, 0])(positions), a[positions])
+
+
+def test_a_single_position_gives_the_value_of_the_whole_order_without_warnings():
+    n = 1000
+    permutation = IndexPermutation(n, [0, 0, 0])
+    values = permutation(np.arange(n))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the wrapping multiplications warned on scalars
+        single = [permutation(i) for i in range(n)]  # some need cycle walking: TypeError
+    assert all(np.shape(v) == () for v in single)
+    assert [int(v) for v in single] == values.tolist()
+    assert permutation(np.arange(6).reshape(2, 3)).tolist() == values[:6].reshape(2, 3).tolist()
 
 
 def test_the_order_looks_shuffled():

@@ -73,7 +73,10 @@ class IndexPermutation:
         Returns:
             int64 array of the same shape; distinct positions give distinct values.
         """
-        x = np.asarray(positions, dtype=np.uint64)
+        shape = np.shape(positions)
+        # At least 1-D: numpy computes on a 0-d array as on a scalar, which warns when the
+        # mixing multiplications wrap and cannot be assigned to by mask when cycle walking.
+        x = np.array(positions, dtype=np.uint64, ndmin=1)
         if x.size and int(x.max()) >= self.n:
             raise IndexError(f"position {int(x.max())} out of range [0, {self.n})")
         out = self._encrypt(x)
@@ -81,4 +84,4 @@ class IndexPermutation:
         while outside.any():  # cycle walking: at most a few rounds
             out[outside] = self._encrypt(out[outside])
             outside = out >= self.n
-        return out.astype(np.int64)
+        return out.astype(np.int64).reshape(shape)
