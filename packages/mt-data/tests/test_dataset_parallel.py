@@ -62,6 +62,12 @@ def test_token_ranges_return_exactly_those_columns_of_the_full_samples(corpus):
         full.take(2, token_ranges=[(3, 3)])
     with pytest.raises(ValueError, match="token_ranges"):
         full.take(2, token_ranges=[(0, SEQ_LEN + 2)])
+    for bad in [(0, 3), [(0.5, 3)], [(0, 2, 3)], ["03"], "03"]:  # one pair, floats, ...
+        with pytest.raises(ValueError, match="token_ranges"):
+            full.take(2, token_ranges=bad)
+    assert full.consumed_samples == 24  # refused calls consume nothing
+    as_array = full.take(2, token_ranges=np.array(zigzag_ranges(SEQ_LEN, 2, 0)))
+    assert as_array.shape == (2, sum(b - a for a, b in zigzag_ranges(SEQ_LEN, 2, 0)))
 
 
 def _naive_positions(row: np.ndarray, first: int, stream: np.ndarray) -> list[int]:

@@ -235,13 +235,25 @@ class TokenDataset:
         width = self.seq_len + 1
         if token_ranges is None:
             return [(0, width)]
-        ranges = [(int(a), int(b)) for a, b in token_ranges]
-        if not ranges or any(not 0 <= a < b <= width for a, b in ranges):
+
+        def is_range(r: Any) -> bool:
+            return (
+                isinstance(r, Sequence | np.ndarray)
+                and len(r) == 2
+                and all(isinstance(v, int | np.integer) and not isinstance(v, bool) for v in r)
+                and 0 <= r[0] < r[1] <= width
+            )
+
+        # One (start, end) pair instead of a list of them, or float bounds, are refused here
+        # (the pair failed to unpack with a TypeError; floats were silently truncated).
+        is_list = isinstance(token_ranges, Sequence | np.ndarray)
+        ranges = list(token_ranges) if is_list else []
+        if not ranges or not all(is_range(r) for r in ranges):
             raise ValueError(
                 f"token_ranges ({token_ranges!r}) must be a non-empty list of (start, end) "
                 f"with 0 <= start < end <= seq_len + 1 = {width}; zigzag_ranges() makes them"
             )
-        return ranges
+        return [(int(a), int(b)) for a, b in ranges]
 
     def take(
         self,
