@@ -250,6 +250,15 @@ def test_directories_and_globs_expand_and_same_stems_get_unique_names(tmp_path):
     assert names[1] == "other"  # glob matches sorted: other.jsonl, then part.jsonl
     assert names[0].startswith("part-") and names[2].startswith("part-")
     assert summary.num_documents == 3
+    # Part.bin and part.bin are one file on macOS and Windows: the first shard was lost.
+    write_jsonl(tmp_path / "d3" / "Part.jsonl", ["four"])
+    summary = _build([tmp_path / "d3", tmp_path / "d1"], tmp_path / "out2")
+    names = [s.name for s in summary.shards]
+    assert names[0].startswith("Part-") and names[1].startswith("part-")
+    write_jsonl(tmp_path / "d4" / "caf\u00e9.jsonl", ["five"])  # é, then e + combining accent
+    write_jsonl(tmp_path / "d5" / "cafe\u0301.jsonl", ["six"])
+    summary = _build([tmp_path / "d4", tmp_path / "d5"], tmp_path / "out3")
+    assert all("-" in s.name for s in summary.shards)
 
 
 def test_same_stems_of_file_names_that_are_not_utf8_get_unique_names(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -162,8 +163,9 @@ class BuildSummary:
 
 
 def shard_names(files: Sequence[Path]) -> list[str]:
-    """`<stem>` per file; stems shared by several inputs get a hash of the full path, and a
-    file without a stem (`.jsonl`) is named by its whole file name.
+    """`<stem>` per file; stems shared by several inputs (ignoring case and Unicode
+    normalization) get a hash of the full path, and a file without a stem (`.jsonl`) is
+    named by its whole file name.
 
     Args:
         files: Input files.
@@ -173,13 +175,18 @@ def shard_names(files: Sequence[Path]) -> list[str]:
     """
     # A file named `.jsonl` has no stem; "" or "." would name the output directory itself.
     stems = [input_stem(f) if input_stem(f).strip(".") else f.name for f in files]
+    # Stems are compared ignoring case and Unicode normalization: on macOS and Windows file
+    # systems `Part.bin` and `part.bin` are one file, and the second shard overwrote the first.
+    folded = [unicodedata.normalize("NFD", stem.casefold()) for stem in stems]
     counts: dict[str, int] = {}
-    for stem in stems:
-        counts[stem] = counts.get(stem, 0) + 1
+    for key in folded:
+        counts[key] = counts.get(key, 0) + 1
     return [
         # os.fsencode: a file name that is not UTF-8 holds surrogates str.encode() refuses.
-        stem if counts[stem] == 1 else f"{stem}-{hashlib.sha1(os.fsencode(f)).hexdigest()[:8]}"
-        for stem, f in zip(stems, files, strict=True)
+        stem
+        if counts[key] == 1
+        else f"{stem}-{hashlib.sha1(os.fsencode(f)).hexdigest()[:8]}"
+        for stem, key, f in zip(stems, folded, files, strict=True)
     ]
 
 
