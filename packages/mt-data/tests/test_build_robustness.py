@@ -331,6 +331,20 @@ def test_cli_inspect_prints_shards_counts_dtype_and_decoded_text(tmp_path, capsy
     assert capsys.readouterr().out.splitlines()[3].split()[:3] == ["total", "(2", "shards)"]
 
 
+def test_cli_inspect_into_a_pipe_closed_early_stops_quietly(tmp_path):
+    path = _write_jsonl(tmp_path / "i.jsonl", [f"document {i} " * 40 for i in range(2000)])
+    build_corpus([path], default_tokenizer_path(), tmp_path / "out", workers=0, progress=False)
+    command = [sys.executable, "-m", "mt_data", "inspect", str(tmp_path / "out"),
+               "--documents", "2000"]  # fmt: skip
+    # ~700 KB of output, more than a pipe holds: `| head -1` closes it while we write.
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert process.stdout.readline().startswith(b"shard")
+    process.stdout.close()
+    stderr = process.stderr.read().decode()
+    assert process.wait(timeout=60) == 141
+    assert stderr == ""  # was "mt-data inspect: error: [Errno 32] Broken pipe", status 2
+
+
 def test_inspect_decodes_the_first_sequences_in_shard_order_and_says_so(tmp_path, capsys):
     _write_jsonl(tmp_path / "in" / "a.jsonl", ["a = 1\n"])
     _write_jsonl(tmp_path / "in" / "b.jsonl", ["b = 2\n"])

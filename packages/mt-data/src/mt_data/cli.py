@@ -4,7 +4,7 @@
                            [--text-key text] [--on-error skip|fail] [--eos-token TOKEN]
                            [--bos | --bos-token TOKEN] [--no-progress]
     mt-data inspect PATH [--tokenizer TOKENIZER] [--documents 1] [--characters 300]
-    mt-data build-default --output DIR
+    mt-data build-default --output DIR [--no-progress]
 
 User mistakes print one line on stderr and exit with status 2, never a traceback.
 """
@@ -12,6 +12,7 @@ User mistakes print one line on stderr and exit with status 2, never a traceback
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from concurrent.futures.process import BrokenProcessPool
@@ -23,6 +24,9 @@ from mt_data.manifest import read_manifest
 
 __all__ = ["main"]
 
+# Exit status when stdout is a pipe closed early: 128 + SIGPIPE, as a shell reports a
+# command killed by it.
+_EXIT_BROKEN_PIPE = 141
 # Bad lines printed with file:line after a build (all are counted).
 _PRINTED_BAD_LINES = 20
 
@@ -191,16 +195,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: Arguments without the program name; None reads `sys.argv[1:]`.
 
     Returns:
-        Exit status: 0 on success, 2 on a user error (message on stderr), 130 when
-        interrupted.
+        Exit status: 0 on success, 2 on a user error (message on stderr), 1 when a
+        tokenizer worker process died, 130 when interrupted, 141 when stdout was a pipe
+        closed early (`| head`).
     """
     args = _parser().parse_args(argv)
     try:
         if args.command == "build":
-            return _run_build(args)
-        if args.command == "inspect":
-            return _run_inspect(args)
-        return _run_build_default(args)
+            status = _run_build(args)
+        elif args.command == "inspect":
+            status = _run_inspect(args)
+        else:
+            status = _run_build_default(args)
+        sys.stdout.flush()  # here, so that a closed pipe is caught below
+        return status
+    except BrokenPipeError:
+        # The reader of stdout left early (`mt-data inspect DIR | head`): stop quietly, as a
+        # Unix tool killed by SIGPIPE, with stdout on /dev/null so the flush at exit passes.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return _EXIT_BROKEN_PIPE
     except (ValueError, OSError) as e:  # FileNotFoundError, CorpusError, ... are in here
         print(f"mt-data {args.command}: error: {e}", file=sys.stderr)
         return 2
