@@ -210,8 +210,11 @@ def test_cli_skip_mode_prints_skipped_lines_and_succeeds(tmp_path, capsys):
         ["build", "missing.jsonl", "--tokenizer", str(default_tokenizer_path()), "--output", "o"],
         ["build", "data/*.jsonl", "--tokenizer", str(default_tokenizer_path()), "--output", "o"],
         ["build", "x.jsonl", "--tokenizer", "no/such/tokenizer.json", "--output", "o"],
+        # was dropped silently: the build succeeded without BOS
+        ["build", "x.jsonl", "--tokenizer", str(default_tokenizer_path()), "--output", "o",
+         "--workers", "0", "--bos-token", ""],
     ],
-    ids=["missing-file", "empty-glob", "missing-tokenizer"],
+    ids=["missing-file", "empty-glob", "missing-tokenizer", "empty-bos-token"],
 )
 def test_cli_user_mistakes_exit_2_with_a_message(tmp_path, capsys, monkeypatch, argv):
     monkeypatch.chdir(tmp_path)

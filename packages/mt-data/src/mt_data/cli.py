@@ -141,7 +141,7 @@ def _run_build(args: argparse.Namespace) -> int:
         on_error=args.on_error,
         workers=args.workers,
         eos_token=args.eos_token,
-        bos=args.bos_token or args.bos,
+        bos=args.bos if args.bos_token is None else args.bos_token,
         progress=not args.no_progress,
     )
     for bad in summary.bad_lines[:_PRINTED_BAD_LINES]:

@@ -201,7 +201,7 @@ def _resolve_bos(
     elif isinstance(bos, str) and bos:
         token = bos
     else:
-        raise ValueError(f"bos ({bos!r}) must be False, True or a token's text")
+        raise ValueError(f"bos ({bos!r}) must be False, True or a token's text (--bos-token TOKEN)")
     token_id = tokenizer.token_to_id(token)
     if token_id is None:
         raise ValueError(f"BOS token {token!r} is not in the vocabulary of {file}")
