@@ -224,6 +224,12 @@ def test_cli_user_mistakes_exit_2_with_a_message(tmp_path, capsys, monkeypatch, 
     assert "error:" in err and "Traceback" not in err
 
 
+def test_an_input_that_is_a_pipe_is_refused_as_not_a_file_not_as_missing(tmp_path):
+    os.mkfifo(tmp_path / "fifo.jsonl")  # as `mt-data build <(zstdcat a.jsonl.zst)` passes
+    with pytest.raises(ValueError, match=r"fifo.jsonl: not a regular file or directory; save"):
+        _build([tmp_path / "fifo.jsonl"], tmp_path / "out")
+
+
 def test_zstd_inputs_with_several_frames_read_like_plain_jsonl(tmp_path):
     texts = [f"document number {i}\n" * (i % 7 + 1) for i in range(40)]
     write_jsonl(tmp_path / "plain" / "c.jsonl", texts)

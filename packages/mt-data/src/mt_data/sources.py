@@ -158,6 +158,11 @@ def resolve_inputs(inputs: Sequence[str | os.PathLike[str]]) -> list[Path]:
             if not input_kind(path):
                 raise ValueError(f"input {path}: unsupported file type; expected one of {kinds}")
             files.append(path)
+        elif path.exists():  # a pipe (`<(zstdcat a.zst)`), a device, a socket
+            raise ValueError(
+                f"input {path}: not a regular file or directory; save the data to a "
+                f"{kinds} file first (resuming a build needs its size and modification time)"
+            )
         elif _GLOB_CHARS & set(str(item)):
             found = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if input_kind(p))
             if not found:
