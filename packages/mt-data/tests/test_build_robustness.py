@@ -406,7 +406,8 @@ def test_a_line_spanning_many_reads_is_cut_in_time_linear_in_its_length(tmp_path
 
 def test_a_utf8_byte_order_mark_at_the_start_of_a_file_is_not_a_bad_line(tmp_path, tokenizer):
     path = tmp_path / "bom.jsonl"
-    path.write_bytes(b'\xef\xbb\xbf{"text": "x = 1"}\n{"text": "y"}\n')
+    # The second BOM: two such files joined with `cat` (or zstd frames of them).
+    path.write_bytes(b'\xef\xbb\xbf{"text": "x = 1"}\n\xef\xbb\xbf{"text": "y"}\n')
     summary = build_corpus([path], default_tokenizer_path(), tmp_path / "out", workers=0,
                            progress=False)  # fmt: skip
     assert (summary.num_documents, summary.num_bad_lines) == (2, 0)

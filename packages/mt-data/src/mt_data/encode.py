@@ -113,8 +113,10 @@ def encode_batch(
     empty = 0
     for offset, item in enumerate(batch.items):
         if batch.kind == "jsonl":
-            if offset == 0 and batch.first_line == 1 and item.startswith(_UTF8_BOM):
-                item = item[len(_UTF8_BOM) :]  # files saved by some editors start with one
+            if item.startswith(_UTF8_BOM):
+                # Files saved by some editors start with one; files (or zstd frames) joined
+                # with `cat` hold one at a later line. No JSON line can start with it.
+                item = item[len(_UTF8_BOM) :]
             if not item.strip():
                 continue  # blank lines are not documents
             parsed = _parse_line(item, text_key)
