@@ -99,7 +99,11 @@ def test_writer_rejects_token_ids_that_do_not_fit_the_dtype(tmp_path):
     with IndexedDatasetWriter(tmp_path / "s", np.uint16) as writer:
         with pytest.raises(ValueError, match="do not fit uint16"):
             writer.add_document([1, 70_000])
+        with pytest.raises(ValueError, match="must be integers, got float64"):
+            writer.add_document([1.5, 2.0])  # was stored as [1, 2]
         writer.add_document([1])
+        writer.add_document([])  # an empty list is float64 to numpy, and fine
+    assert [d.tolist() for d in IndexedDataset(tmp_path / "s")] == [[1], []]
     with pytest.raises(ValueError, match="no code in Megatron"):
         IndexedDatasetWriter(tmp_path / "t", np.uint32)
 

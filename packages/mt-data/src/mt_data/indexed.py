@@ -185,8 +185,8 @@ class IndexedDatasetWriter:
             lengths: 1-D tokens per document; sums to `len(tokens)`.
 
         Raises:
-            ValueError: If the lengths do not add up, a length or token id does not fit
-                the format, or the writer is already finalized.
+            ValueError: If the lengths do not add up, token ids are not integers, a length
+                or token id does not fit the format, or the writer is already finalized.
         """
         if self._done:
             raise ValueError(f"writer for {self.idx_path} is already finalized or aborted")
@@ -199,6 +199,11 @@ class IndexedDatasetWriter:
             )
         if lengths.size and (lengths.min() < 0 or lengths.max() > np.iinfo(np.int32).max):
             raise ValueError("document lengths must be in [0, 2**31); split longer documents")
+        if tokens.size and self._bounds is not None and not np.issubdtype(tokens.dtype, np.integer):
+            # astype would truncate 1.5 to 1 (and NaN to anything) without a word.
+            raise ValueError(
+                f"token ids must be integers, got {tokens.dtype} values; pass integer ids"
+            )
         if tokens.size and self._bounds is not None:
             low, high = int(tokens.min()), int(tokens.max())
             if low < self._bounds[0] or high > self._bounds[1]:
