@@ -144,6 +144,11 @@ def test_load_state_dict_rejects_another_seq_len_corpus_or_version(corpus):
         TokenDataset(corpus[0], SEQ_LEN).load_state_dict(changed)
     with pytest.raises(ValueError, match="version"):
         TokenDataset(corpus[0], SEQ_LEN).load_state_dict({"consumed_samples": 0, "seed": 0})
+    dataset = TokenDataset(corpus[0], SEQ_LEN, seed=4)
+    for seed in (-1, 1.5, None):  # -1 was taken, and take() then failed inside numpy
+        with pytest.raises(ValueError, match=r"the data loader state's seed \(.*\) must be an"):
+            dataset.load_state_dict({**state, "seed": seed})
+    assert dataset.seed == 4
 
 
 @pytest.mark.parametrize(

@@ -408,6 +408,7 @@ class TokenDataset:
                 f"data loader state lacks {missing}; pass the dict this dataset's "
                 "state_dict() returned (as saved in the checkpoint), unedited"
             )
+        seed = _check_int("the data loader state's seed", state["seed"], 0)
         if int(state["seq_len"]) != self.seq_len:
             raise ValueError(
                 f"data loader state has seq_len {state['seq_len']}, this dataset "
@@ -440,7 +441,7 @@ class TokenDataset:
             )
         self.consumed_samples = int(state["consumed_samples"])
         self._consumed_C = np.array(consumed, dtype=np.int64)
-        self.seed = int(state["seed"])
+        self.seed = seed
         self._permutations.clear()  # the seed may have changed
         self._blocks.clear()
 
