@@ -157,6 +157,13 @@ def test_fail_mode_raises_at_the_first_bad_line_and_leaves_no_shard(tmp_path):
     with pytest.raises(CorpusError, match=rf"{path}:2: malformed JSON"):
         _build([path], tmp_path / "out", on_error="fail")
     assert list((tmp_path / "out").iterdir()) == []
+    # A shard built under "skip" holds skipped lines: "fail" must not reuse it and succeed.
+    _build([path], tmp_path / "skipped")
+    before = {p: p.read_bytes() for p in (tmp_path / "skipped").rglob("*") if p.is_file()}
+    with pytest.raises(CorpusError, match=rf"{path}:2: malformed JSON .*skipped when shard bad "
+                       r"was built, 6 bad lines in all\); fix the input"):  # fmt: skip
+        _build([path], tmp_path / "skipped", on_error="fail")
+    assert {p: p.read_bytes() for p in (tmp_path / "skipped").rglob("*") if p.is_file()} == before
 
 
 def test_cli_fail_mode_exits_2_naming_file_and_line_without_traceback(tmp_path):

@@ -375,6 +375,14 @@ def build_corpus(
                 out / name, read_shard_record(out, name), settings,
                 token_dtype(loaded.vocab_size), input_fingerprint(path),
             )  # fmt: skip
+            if summary is not None and on_error == "fail" and summary.bad_line_examples:
+                # Complete, but built under "skip": reusing it would let a build that must
+                # stop at a bad line succeed. Nothing in the directory is touched.
+                raise CorpusError(
+                    f"{summary.bad_line_examples[0]} (skipped when shard {name} was built, "
+                    f"{summary.bad_lines} bad lines in all); fix the input or pass "
+                    "--on-error skip"
+                )
             if summary is not None:
                 done[i] = summary
             else:
