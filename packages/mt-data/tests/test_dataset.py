@@ -185,6 +185,12 @@ def test_vocab_size_and_eos_come_from_the_manifest(corpus):
     (data_dir / "manifest.json").write_text(json.dumps({"vocab_size": 60001, "eos_id": 0}))
     dataset = TokenDataset(data_dir, SEQ_LEN)
     assert (dataset.vocab_size, dataset.eos_id) == (60001, 0)
+    manifest = {"vocab_size": 60001, "eos_id": 0, "shards": [{"name": "a"}, {"name": "c"}]}
+    (data_dir / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.warns(UserWarning) as warned:  # shard b is not listed: said once, not twice
+        dataset = TokenDataset(data_dir, SEQ_LEN)
+    assert len(warned) == 1 and "shards ['b'] are not in its" in str(warned[0].message)
+    assert (dataset.vocab_size, dataset.eos_id) == (60001, 0)
 
 
 def test_shards_whose_sequences_are_not_back_to_back_are_refused(corpus, monkeypatch):

@@ -129,7 +129,8 @@ class TokenDataset:
         self.corpora = [PackedCorpus(paths, self.seq_len) for paths, _ in specs]
         total = sum(w for _, w in specs)
         self.weights = np.array([w / total for _, w in specs], dtype=np.float64)
-        self.vocab_size, self.eos_id = manifest_facts([p for ps, _ in specs for p in ps])
+        # From the shards already found: resolving the paths again repeated their warnings.
+        self.vocab_size, self.eos_id = manifest_facts([s.idx_path.parent for s in self.shards])
         self.consumed_samples = 0
         self._consumed_C = np.zeros(len(self.corpora), dtype=np.int64)
         self._permutations: dict[tuple[int, int], IndexPermutation] = {}

@@ -13,11 +13,11 @@ import math
 import numbers
 import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from mt_data.corpus import resolve_shards
 from mt_data.manifest import read_manifest
 
 __all__ = ["PathLike", "corpus_specs", "manifest_facts", "mix_schedule"]
@@ -87,11 +87,11 @@ def corpus_specs(data: Any) -> list[tuple[list[PathLike], float]]:
     )
 
 
-def manifest_facts(paths: Sequence[PathLike]) -> tuple[int | None, int | None]:
-    """The vocabulary size and EOS id the manifests beside the shards agree on.
+def manifest_facts(directories: Sequence[PathLike]) -> tuple[int | None, int | None]:
+    """The vocabulary size and EOS id the manifests of the shards' directories agree on.
 
     Args:
-        paths: Corpus directories and shard prefixes.
+        directories: The directories holding the shards (repeats are read once).
 
     Returns:
         (largest `vocab_size`, `eos_id`), None where no manifest says.
@@ -100,7 +100,7 @@ def manifest_facts(paths: Sequence[PathLike]) -> tuple[int | None, int | None]:
         ValueError: If the manifests name different EOS ids or tokenizer files.
     """
     vocab, eos_ids, hashes = None, set(), set()
-    for directory in dict.fromkeys(p.parent for p in resolve_shards(paths)):
+    for directory in dict.fromkeys(Path(d) for d in directories):
         manifest = read_manifest(directory) or {}
         if manifest.get("vocab_size") is not None:
             vocab = max(vocab or 0, int(manifest["vocab_size"]))
