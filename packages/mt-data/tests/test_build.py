@@ -322,7 +322,7 @@ def test_eos_falls_back_to_a_known_token_without_tokenizer_config(tmp_path):
         load_tokenizer(bare)
 
 
-def test_eos_token_argument_overrides_the_config(tmp_path, tokenizer):
+def test_eos_token_argument_overrides_the_config(tmp_path, tokenizer, capsys):
     directory = tmp_path / "tok"
     directory.mkdir()
     (directory / "tokenizer.json").write_bytes(default_tokenizer_path().read_bytes())
@@ -334,6 +334,10 @@ def test_eos_token_argument_overrides_the_config(tmp_path, tokenizer):
     argv = ["build", str(path), "--tokenizer", str(directory), "--output", str(tmp_path / "o")]
     assert main([*argv, "--eos-token", "<|endoftext|>", "--no-progress", "--workers", "0"]) == 0
     assert IndexedDataset(tmp_path / "o" / "e")[0].tolist()[-1] == tokenizer.eos_id
+    # inspect decodes with the manifest's tokenizer, whose config names no usable EOS
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "o")]) == 0
+    assert "x<|endoftext|>" in capsys.readouterr().out
 
 
 def test_a_changed_or_different_input_is_rebuilt_not_reused(tmp_path, tokenizer):

@@ -8,7 +8,7 @@ from pathlib import Path
 from mt_data.corpus import resolve_shards
 from mt_data.indexed import IndexedDataset
 from mt_data.manifest import read_manifest
-from mt_data.tokenizer import load_tokenizer
+from mt_data.tokenizer import read_tokenizer
 
 __all__ = ["inspect_corpus"]
 
@@ -71,14 +71,16 @@ def inspect_corpus(
     if tokenizer is None and not Path(source).exists():
         lines.append(f"(the manifest's tokenizer {source} is not here: pass --tokenizer)")
         return "\n".join(lines)
-    loaded = load_tokenizer(source)
+    # Only to decode: a tokenizer without a findable EOS (a corpus built with --eos-token)
+    # must not stop the report.
+    decoder, _ = read_tokenizer(source)
     shown = 0
     for shard in shards:
         for i in range(len(shard)):
             if shown >= documents:
                 break
             ids = shard[i].tolist()
-            text = loaded.tokenizer.decode(ids, skip_special_tokens=False)
+            text = decoder.decode(ids, skip_special_tokens=False)
             more = "..." if len(text) > characters else ""
             lines.append(f"--- {shard.idx_path.stem} sequence {i}: {len(ids)} tokens ---")
             lines.append(text[:characters] + more)

@@ -15,7 +15,13 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-__all__ = ["FALLBACK_EOS_TOKENS", "LoadedTokenizer", "TokenizerSpec", "load_tokenizer"]
+__all__ = [
+    "FALLBACK_EOS_TOKENS",
+    "LoadedTokenizer",
+    "TokenizerSpec",
+    "load_tokenizer",
+    "read_tokenizer",
+]
 
 # Tried in order when no tokenizer_config.json names the EOS token.
 FALLBACK_EOS_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
@@ -99,6 +105,32 @@ def _token_from_config(config_path: Path, key: str) -> str | None:
     return token if isinstance(token, str) else None
 
 
+def read_tokenizer(path: str | Path) -> tuple[Tokenizer, Path]:
+    """Parse a tokenizer.json (or the one in a directory) as it is, say to decode with it;
+    no EOS token is looked for.
+
+    Args:
+        path: A `tokenizer.json` file, or a directory holding one.
+
+    Returns:
+        The `tokenizers.Tokenizer` and the absolute path of the file it was read from.
+
+    Raises:
+        FileNotFoundError: If there is no tokenizer.json at `path`.
+        ValueError: If the file cannot be parsed.
+    """
+    path = Path(path).expanduser().resolve()
+    file = path / "tokenizer.json" if path.is_dir() else path
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"tokenizer {file}: no such file; pass a tokenizer.json or a directory holding one"
+        )
+    try:
+        return Tokenizer.from_file(str(file)), file
+    except Exception as e:  # the Rust side raises a bare Exception
+        raise ValueError(f"{file}: not a valid tokenizers JSON file ({e})") from e
+
+
 def load_tokenizer(
     path: str | Path, *, eos_token: str | None = None, bos: bool | str = False
 ) -> LoadedTokenizer:
@@ -122,17 +154,7 @@ def load_tokenizer(
         FileNotFoundError: If there is no tokenizer.json at `path`.
         ValueError: If the file cannot be parsed or no EOS token can be found.
     """
-    path = Path(path).expanduser().resolve()
-    file = path / "tokenizer.json" if path.is_dir() else path
-    if not file.is_file():
-        raise FileNotFoundError(
-            f"tokenizer {file}: no such file; pass a tokenizer.json or a directory holding one"
-        )
-    try:
-        tokenizer = Tokenizer.from_file(str(file))
-    except Exception as e:  # the Rust side raises a bare Exception
-        raise ValueError(f"{file}: not a valid tokenizers JSON file ({e})") from e
-
+    tokenizer, file = read_tokenizer(path)
     tokenizer.encode_special_tokens = True  # "<|endoftext|>" in a document is plain text
     # A tokenizer.json may carry truncation and padding for a model's inputs (max_length
     # 512, pad to the batch's longest): documents would be cut short or padded, silently.
