@@ -345,6 +345,16 @@ def test_cli_inspect_into_a_pipe_closed_early_stops_quietly(tmp_path):
     assert stderr == ""  # was "mt-data inspect: error: [Errno 32] Broken pipe", status 2
 
 
+def test_cli_inspect_interrupted_exits_130_without_promising_a_resume(tmp_path, capsys,
+                                                                      monkeypatch):  # fmt: skip
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("mt_data.cli.inspect_corpus", interrupted)
+    assert main(["inspect", str(tmp_path)]) == 130
+    assert capsys.readouterr().err == "mt-data: interrupted\n"
+
+
 def test_inspect_decodes_the_first_sequences_in_shard_order_and_says_so(tmp_path, capsys):
     _write_jsonl(tmp_path / "in" / "a.jsonl", ["a = 1\n"])
     _write_jsonl(tmp_path / "in" / "b.jsonl", ["b = 2\n"])

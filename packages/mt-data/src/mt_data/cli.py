@@ -225,5 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 1
     except KeyboardInterrupt:
-        print("mt-data: interrupted; rerun the same command to resume", file=sys.stderr)
+        # Only a build resumes; inspect has nothing to resume, build-default starts over.
+        resume = "; rerun the same command to resume" if args.command == "build" else ""
+        print(f"mt-data: interrupted{resume}", file=sys.stderr)
         return 130
