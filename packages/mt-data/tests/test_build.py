@@ -355,6 +355,26 @@ def test_a_changed_or_different_input_is_rebuilt_not_reused(tmp_path, tokenizer)
     assert tokenizer.tokenizer.decode(last[:-1]) == "appended = True"
 
 
+def test_an_input_appended_to_while_it_is_read_is_rebuilt_by_the_next_run(tmp_path,
+                                                                          monkeypatch):  # fmt: skip
+    import mt_data.build
+
+    path = write_jsonl(tmp_path / "log.jsonl", TEXTS_B)
+    read_batches = mt_data.build.iter_batches
+
+    def read_then_append(*args):  # a writer appends just after the build read to the end
+        yield from read_batches(*args)
+        with open(path, "ab") as f:
+            f.write(jsonl_bytes(["late = 1"]))
+
+    with monkeypatch.context() as m:
+        m.setattr(mt_data.build, "iter_batches", read_then_append)
+        assert _build([path], tmp_path / "out").num_documents == len(TEXTS_B)
+    # The record held the size after the append, so this run reused the shard without it.
+    summary = _build([path], tmp_path / "out")
+    assert (summary.num_resumed, summary.num_documents) == (0, len(TEXTS_B) + 1)
+
+
 def test_a_rebuild_interrupted_after_its_record_is_redone_not_taken_for_the_old_shard(
     tmp_path, tokenizer, monkeypatch
 ):

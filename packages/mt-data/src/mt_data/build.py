@@ -111,9 +111,16 @@ class _OpenShard:
         return self.summary
 
 
-def _tasks(jobs: Sequence[tuple[Path, Path]], text_key: str) -> Iterator[tuple[int, Any]]:
-    """(job index, RawBatch | ReadFailure) over every job in order, then (index, None)."""
+def _tasks(
+    jobs: Sequence[tuple[Path, Path]], text_key: str, sources: dict[int, dict[str, Any]]
+) -> Iterator[tuple[int, Any]]:
+    """(job index, RawBatch | ReadFailure) over every job in order, then (index, None).
+
+    Each input's fingerprint goes to `sources[index]` before its first byte is read, so a
+    file that changes while (or after) it is read never matches its shard's record.
+    """
     for index, (path, _) in enumerate(jobs):
+        sources[index] = input_fingerprint(path)
         for item in iter_batches(path, text_key):
             yield index, item
         yield index, None
@@ -263,6 +270,7 @@ def _run_jobs(
     summaries: list[ShardSummary] = []
     current: _OpenShard | None = None
     dtype = token_dtype(tokenizer.vocab_size)
+    sources: dict[int, dict[str, Any]] = {}  # input fingerprints, taken as reading starts
 
     def handle(index: int, value: Any) -> None:
         nonlocal current
@@ -273,7 +281,7 @@ def _run_jobs(
             summary = ShardSummary(name=prefix.name, input=str(path))
             writer = IndexedDatasetWriter(prefix, dtype)
             current = _OpenShard(
-                writer, summary, settings, prefix.parent, on_error, input_fingerprint(path)
+                writer, summary, settings, prefix.parent, on_error, sources.pop(index)
             )
         if value is None:
             summaries.append(current.finish())
@@ -282,7 +290,7 @@ def _run_jobs(
             current.add(value.result() if isinstance(value, Future) else value, progress)
 
     try:
-        for index, item in _tasks(jobs, text_key):
+        for index, item in _tasks(jobs, text_key, sources):
             if isinstance(item, RawBatch):
                 path = str(jobs[index][0])
                 if executor is not None:
