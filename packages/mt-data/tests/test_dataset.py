@@ -179,6 +179,14 @@ def test_directory_without_shards_or_tokens_is_an_error_naming_it(tmp_path):
         TokenDataset(tmp_path, 8)
 
 
+def test_a_shard_without_its_bin_is_a_value_error_naming_it(corpus):
+    data_dir, _ = corpus
+    (data_dir / "c.bin").unlink()  # say an interrupted copy of the corpus
+    for path in (data_dir, data_dir / "c"):  # was FileNotFoundError, a trainer traceback
+        with pytest.raises(ValueError, match=r"c.idx has no c.bin beside it"):
+            TokenDataset(path, SEQ_LEN)
+
+
 def test_vocab_size_and_eos_come_from_the_manifest(corpus):
     data_dir, _ = corpus
     assert TokenDataset(data_dir, SEQ_LEN).vocab_size is None

@@ -84,8 +84,9 @@ def resolve_shards(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
         The shard prefixes, in order.
 
     Raises:
-        ValueError: If a path is neither a directory with shards nor a shard prefix, or
-            a directory's mt-data build is unfinished or lists missing shards.
+        ValueError: If a path is neither a directory with shards nor a shard prefix, a
+            shard's `.bin` is missing, or a directory's mt-data build is unfinished or
+            lists missing shards.
     """
     prefixes: list[Path] = []
     for item in paths:
@@ -107,6 +108,14 @@ def resolve_shards(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
                 f"({path}.idx does not exist)"
             )
         prefixes.append(path)
+    # IndexedDataset would raise FileNotFoundError, which callers that report ValueErrors
+    # (TokenDataset's, the trainer's) let through as a traceback.
+    for prefix in prefixes:
+        if not Path(f"{prefix}.bin").is_file():
+            raise ValueError(
+                f"shard {prefix}.idx has no {prefix.name}.bin beside it (an incomplete copy?); "
+                "copy the .bin too or rebuild the corpus"
+            )
     return prefixes
 
 
