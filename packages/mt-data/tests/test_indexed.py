@@ -136,3 +136,25 @@ def test_reader_error_names_the_file_and_the_problem(tmp_path, corrupt, message)
     with pytest.raises(ValueError, match=message) as excinfo:
         IndexedDataset(tmp_path / "s")
     assert str(tmp_path / "s.") in str(excinfo.value)
+
+
+def test_a_shard_holds_two_file_descriptors_and_running_out_is_a_clear_error(tmp_path):
+    resource = pytest.importorskip("resource")
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("counts open files in /proc/self/fd (Linux)")
+    with IndexedDatasetWriter(tmp_path / "s", np.uint16) as writer:
+        writer.add_document([1, 2, 3])
+
+    def open_descriptors() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    before = open_descriptors()
+    shards = [IndexedDataset(tmp_path / "s") for _ in range(3)]
+    assert open_descriptors() - before == 2 * len(shards)  # was 4 a shard: 256 used up 1024
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (open_descriptors() + 3, hard))
+    try:
+        with pytest.raises(ValueError, match=r"s\.(idx|bin): too many open files .*raise the"):
+            shards += [IndexedDataset(tmp_path / "s") for _ in range(3)]
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -32,7 +32,9 @@ a shard, between the renames) a `.bin` without `.idx`, never a torn shard that l
 
 from __future__ import annotations
 
+import errno
 import os
+import resource
 import struct
 from collections.abc import Iterable
 from pathlib import Path
@@ -304,8 +306,8 @@ class IndexedDataset:
 
     Raises:
         FileNotFoundError: If either file is missing.
-        ValueError: If the index has a bad magic, version or dtype code, or either file
-            is truncated.
+        ValueError: If the index has a bad magic, version or dtype code, either file is
+            truncated, or the process may open no more files.
     """
 
     def __init__(self, path_prefix: str | Path) -> None:
@@ -345,12 +347,16 @@ class IndexedDataset:
                 f"{num_doc_indices} document indices) needs {expected}; the file is truncated "
                 "or corrupt, rebuild the shard"
             )
+        # One map of the whole index for its three arrays: every map holds a file
+        # descriptor, and with one map per array a corpus of 256 shards used up a soft
+        # limit of 1024 (`ulimit -n`), common on Linux. A shard now holds two.
+        index = self._map(self.idx_path)
         offset = _HEADER.size
-        self.sequence_lengths = self._map_index(np.int32, offset, num_sequences)
+        self.sequence_lengths = self._index_array(index, np.int32, offset, num_sequences)
         offset += 4 * num_sequences
-        self.sequence_pointers = self._map_index(np.int64, offset, num_sequences)
+        self.sequence_pointers = self._index_array(index, np.int64, offset, num_sequences)
         offset += 8 * num_sequences
-        self.document_indices = self._map_index(np.int64, offset, num_doc_indices)
+        self.document_indices = self._index_array(index, np.int64, offset, num_doc_indices)
 
         self.num_tokens = int(self.sequence_lengths.sum(dtype=np.int64))
         bin_size = self.bin_path.stat().st_size
@@ -371,14 +377,31 @@ class IndexedDataset:
                 f"item size {self.dtype.itemsize}; the file is corrupt, rebuild the shard"
             )
         if bin_size:
-            self._tokens = np.memmap(self.bin_path, dtype=self.dtype, mode="r")
+            self._tokens = self._map(self.bin_path, self.dtype)
         else:  # mmap cannot map an empty file
             self._tokens = np.empty(0, dtype=self.dtype)
 
-    def _map_index(self, dtype: type, offset: int, count: int) -> np.ndarray:
+    @staticmethod
+    def _map(path: Path, dtype: np.dtype | type = np.uint8) -> np.memmap:
+        try:
+            return np.memmap(path, dtype=dtype, mode="r")
+        except OSError as e:
+            if e.errno != errno.EMFILE:
+                raise
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            higher = "unlimited" if hard == resource.RLIM_INFINITY else hard
+            fix = f"`ulimit -n {higher}`" if soft != hard else "a higher hard limit"
+            raise ValueError(
+                f"{path}: too many open files (each open shard holds 2 file descriptors, "
+                f"this process may hold {soft}); raise the limit ({fix}) or use fewer, "
+                "larger shards"
+            ) from None
+
+    @staticmethod
+    def _index_array(index: np.memmap, dtype: type, offset: int, count: int) -> np.ndarray:
         if count == 0:
             return np.empty(0, dtype=dtype)
-        return np.memmap(self.idx_path, dtype=dtype, mode="r", offset=offset, shape=(count,))
+        return np.ndarray((count,), dtype=dtype, buffer=index, offset=offset)
 
     @property
     def tokens(self) -> np.ndarray:
