@@ -277,6 +277,23 @@ def test_directories_and_globs_expand_and_same_stems_get_unique_names(tmp_path):
     assert all("-" in s.name for s in summary.shards)
 
 
+def test_inputs_linked_to_blobs_without_a_suffix_are_read_and_named_by_the_link(tmp_path):
+    # The Hugging Face hub cache: snapshots/<rev>/train.jsonl -> ../../blobs/<hash>.
+    blob = write_jsonl(tmp_path / "blobs" / "3f2a9c", TEXTS_A)
+    compressed = tmp_path / "blobs" / "77e0b1"
+    compressed.write_bytes(zstandard.ZstdCompressor().compress(jsonl_bytes(TEXTS_B)))
+    (tmp_path / "snap").mkdir()
+    (tmp_path / "snap" / "train.jsonl").symlink_to(blob)
+    (tmp_path / "snap" / "valid.jsonl.zst").symlink_to(compressed)
+    (tmp_path / "snap" / "again.jsonl").symlink_to(blob)  # the same file twice: read once
+    summary = _build([tmp_path / "snap" / "train.jsonl", tmp_path / "snap"], tmp_path / "out")
+    # Was: shards 3f2a9c and 77e0b1, each a 'corrupt zstandard data' bad line, no documents.
+    assert [(s.name, s.documents) for s in summary.shards] == [
+        ("train", len(TEXTS_A)), ("valid", len(TEXTS_B))
+    ]
+    assert summary.num_bad_lines == 0
+
+
 def test_same_stems_of_file_names_that_are_not_utf8_get_unique_names(tmp_path):
     # b"caf\xe9" (Latin-1) reads back as "caf\udce9", which str.encode() refused.
     inputs = []

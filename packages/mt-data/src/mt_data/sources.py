@@ -136,7 +136,7 @@ def resolve_inputs(inputs: Sequence[str | os.PathLike[str]]) -> list[Path]:
         inputs: Paths, directories or glob patterns (`data/*.jsonl.zst`, `data/**/*.jsonl`).
 
     Returns:
-        The input files, absolute.
+        The input files, absolute, symbolic links not resolved.
 
     Raises:
         ValueError: If an input does not exist, matches nothing, or has an unsupported type.
@@ -170,7 +170,13 @@ def resolve_inputs(inputs: Sequence[str | os.PathLike[str]]) -> list[Path]:
             files.extend(found)
         else:
             raise ValueError(f"input {path}: no such file or directory")
-    return list(dict.fromkeys(p.resolve() for p in files))
+    # Named as given, not by their resolved targets: the Hugging Face hub cache links
+    # `train.jsonl.zst` to a blob named by its hash, whose name says neither the format
+    # nor a useful shard name. Repeats of one file (by target) are dropped.
+    unique: dict[Path, Path] = {}
+    for p in files:
+        unique.setdefault(p.resolve(), Path(os.path.abspath(p)))
+    return list(unique.values())
 
 
 class _Truncated(Exception):
