@@ -125,7 +125,7 @@ def test_a_weighted_mix_draws_from_each_corpus_in_proportion(mix):
     batch = dataset.take(400)
     from_small = batch[:, 0] >= 5000
     assert int(from_small.sum()) == 100  # exactly a quarter: the greedy rule has no drift
-    # Any prefix stays within one sample of its share.
+    # With two corpora any prefix stays within one sample of its share.
     shares = np.cumsum(from_small) - 0.25 * np.arange(1, 401)
     assert np.abs(shares).max() <= 1
     assert dataset.state_dict()["corpora"][1]["consumed_samples"] == 100
