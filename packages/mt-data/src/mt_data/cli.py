@@ -21,6 +21,7 @@ from mt_data.build import build_corpus
 from mt_data.default_corpus import build_default_corpus
 from mt_data.inspection import inspect_corpus
 from mt_data.manifest import read_manifest
+from mt_data.tokenizer import FALLBACK_EOS_TOKENS
 
 __all__ = ["main"]
 
@@ -40,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
 
     build = commands.add_parser(
         "build",
-        help="tokenize .jsonl / .jsonl.zst files into a corpus directory",
+        help="tokenize .jsonl / .jsonl.zst / .parquet files into a corpus directory",
         description=(
             "Tokenize JSON Lines files (.jsonl, .jsonl.zst, .jsonl.zstd) and Parquet files "
             "(with pyarrow installed) into DIR, one <stem>.bin/.idx shard per input file in "
@@ -59,7 +60,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     build.add_argument("--output", required=True, metavar="DIR", help="corpus directory")
     build.add_argument(
-        "--text-key", default="text", help="JSON field holding the text (default: text)"
+        "--text-key",
+        default="text",
+        help="JSON field (Parquet column) holding the text (default: text)",
     )
     build.add_argument(
         "--on-error",
@@ -75,7 +78,10 @@ def _parser() -> argparse.ArgumentParser:
         help="tokenizer worker processes (default: one per core; 0: none, tokenize in-process)",
     )
     build.add_argument(
-        "--eos-token", default=None, help="EOS token text (default: tokenizer_config.json's)"
+        "--eos-token",
+        default=None,
+        help="EOS token text (default: tokenizer_config.json's eos_token; without that file, "
+        f"the first of {', '.join(FALLBACK_EOS_TOKENS)} in the vocabulary)",
     )
     build.add_argument(
         "--bos",
