@@ -218,6 +218,19 @@ def test_corrupt_zstd_data_is_reported_not_raised(tmp_path):
     assert "corrupt zstandard data" in summary.bad_lines[0].reason
 
 
+def test_zstd_made_with_a_long_window_is_read_not_called_corrupt(tmp_path, tokenizer):
+    # As `zstd --long=30` writes: the frame declares a 1 GiB window, over the 128 MiB
+    # that python-zstandard accepts by default.
+    params = zstandard.ZstdCompressionParameters.from_level(3, window_log=30, enable_ldm=True)
+    path = tmp_path / "long.jsonl.zst"
+    compressor = zstandard.ZstdCompressor(compression_params=params)
+    with open(path, "wb") as f, compressor.stream_writer(f) as writer:
+        writer.write(b'{"text": "a"}\n{"text": "b"}\n')
+    summary = build_corpus([path], default_tokenizer_path(), tmp_path / "out", workers=0,
+                           progress=False)  # fmt: skip
+    assert (summary.num_documents, summary.num_bad_lines) == (2, 0)
+
+
 def test_a_line_nested_too_deeply_for_json_is_a_malformed_line_not_a_crash(tmp_path, tokenizer):
     path = tmp_path / "deep.jsonl"
     deep = "[" * 100_000  # json.loads raises RecursionError, not JSONDecodeError

@@ -47,6 +47,10 @@ _READ_BYTES = 64 << 10
 # Rows per Parquet record batch (texts are usually ~KBs, so ~256 KiB-1 MiB per batch).
 _PARQUET_ROWS = 256
 _GLOB_CHARS = set("*?[")
+# Largest zstd window accepted, zstd's own maximum: files made with `zstd --long=31` are
+# valid, but the library's default limit (128 MiB) called them corrupt. The window is
+# allocated only when a frame asks for it.
+_ZSTD_MAX_WINDOW = 1 << 31
 
 
 @dataclass(frozen=True)
@@ -189,7 +193,7 @@ def _zstd_chunks(raw, on_read) -> Iterator[bytes]:
     python-zstandard's `stream_reader` ends silently at a truncated frame, so frames are
     decoded with a `decompressobj` each and the end of input inside a frame is an error.
     """
-    dctx = zstandard.ZstdDecompressor()
+    dctx = zstandard.ZstdDecompressor(max_window_size=_ZSTD_MAX_WINDOW)
     dobj = dctx.decompressobj()
     in_frame = False
     while data := raw.read(_READ_BYTES // 4):
