@@ -508,3 +508,28 @@ def test_load_hf_refuses_partial_rotary_factor_in_either_spelling(
     (tmp_path / "config.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match=r"partial_rotary_factor \(0.5\) is not supported"):
         load_hf(tmp_path)
+
+
+def test_load_hf_refuses_a_quantized_checkpoint_it_cannot_dequantize(build_debug_model, tmp_path):
+    # A block-FP8 checkpoint (Qwen/Qwen3-30B-A3B-FP8's layout: F8_E4M3 weights plus a
+    # weight_scale_inv each) failed as a key mismatch whose fix was to edit num_experts and
+    # friends; its quantization_config names the real cause.
+    save_hf(build_debug_model(), tmp_path)
+    key = "model.layers.0.mlp.experts.0.up_proj.weight"
+
+    def to_fp8(tensors):
+        tensors[key] = tensors[key].to(torch.float8_e4m3fn)
+        tensors[key + "_scale_inv"] = torch.ones(1, 1)
+
+    _edit_checkpoint(tmp_path, to_fp8)
+    data = json.loads((tmp_path / "config.json").read_text())
+    fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (tmp_path / "config.json").write_text(json.dumps({**data, "quantization_config": fp8}))
+    with pytest.raises(ValueError) as error:
+        load_hf(tmp_path)
+    message = str(error.value)
+    assert str(tmp_path / "config.json") in message
+    assert "quantization_config (quant_method 'fp8') is not supported for qwen3_moe" in message
+    gpt_oss = config_to_hf(gpt_oss_20b(), "bfloat16")
+    mxfp4 = {"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]}
+    assert config_from_hf({**gpt_oss, "quantization_config": mxfp4}) == gpt_oss_20b()

@@ -8,7 +8,9 @@ mapped (Qwen3's ``num_local_experts`` as written by transformers 5; DeepSeek's
 ``aux_loss_alpha`` and ``seq_aux``). A field the file leaves out means what transformers
 makes of it (``HF_ABSENT_DEFAULTS`` where our dataclass defaults differ). A ``hidden_act``
 other than SiLU (Qwen3-MoE, DeepSeek-V2) is refused: dropping it would load the weights
-into a different function.
+into a different function. A ``quantization_config`` is refused unless it is GPT-OSS's
+MXFP4 (dequantized on import): other methods store scales beside the weights that
+``load_hf`` does not apply.
 """
 
 import dataclasses
@@ -27,6 +29,9 @@ DEFAULT_ROPE_THETA = {"qwen3_moe": 10000.0, "deepseek_v2": 10000.0, "gpt_oss": 1
 _HIDDEN_ACT_FAMILIES = ("qwen3_moe", "deepseek_v2")
 # ACT2FN names of SiLU.
 _SILU_NAMES = ("silu", "swish")
+
+# quantization_config quant_method that load_hf dequantizes, per family (hf_io, mxfp4.py).
+_DEQUANTIZED = {"gpt_oss": ("mxfp4",)}
 
 # transformers' values of fields a config.json may leave out, where our dataclass defaults
 # (for Python callers and presets) differ: an absent field means what transformers makes of
@@ -138,6 +143,15 @@ def config_from_hf(data: dict[str, Any]) -> Any:
             f"experts here are SwiGLU, silu(gate) * up; only {_SILU_NAMES} load as the "
             "checkpoint was trained"
         )
+    quantization = data.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        if method not in _DEQUANTIZED.get(family, ()):
+            raise ValueError(
+                f"config.json quantization_config (quant_method {method!r}) is not supported "
+                f"for {family}: its weights come with scales that load_hf does not apply; "
+                "load the unquantized (bfloat16) checkpoint, or dequantize this one first"
+            )
     for key, value in HF_ABSENT_DEFAULTS[family].items():
         data.setdefault(key, value)
     partial = data.get("partial_rotary_factor")
