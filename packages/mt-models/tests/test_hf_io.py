@@ -533,3 +533,30 @@ def test_load_hf_refuses_a_quantized_checkpoint_it_cannot_dequantize(build_debug
     gpt_oss = config_to_hf(gpt_oss_20b(), "bfloat16")
     mxfp4 = {"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]}
     assert config_from_hf({**gpt_oss, "quantization_config": mxfp4}) == gpt_oss_20b()
+
+
+@pytest.mark.parametrize(
+    "rope_scaling",
+    [
+        # Qwen3's model card: "add rope_scaling to config.json" (to a save_hf file, which
+        # also writes rope_parameters)
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512},
+        {"type": "linear", "factor": 2.0, "rope_theta": 5000.0},
+    ],
+)
+def test_a_rope_scaling_beside_rope_parameters_wins_as_in_transformers(
+    build_debug_model, tmp_path, rope_scaling
+):
+    # transformers reads a non-empty rope_scaling in place of rope_parameters; load_hf read
+    # rope_parameters and silently ran plain RoPE.
+    import transformers
+
+    save_hf(build_debug_model(), tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    assert data["rope_parameters"]["rope_type"] == "default"
+    (tmp_path / "config.json").write_text(json.dumps({**data, "rope_scaling": rope_scaling}))
+    expected = dict(transformers.AutoConfig.from_pretrained(tmp_path).rope_parameters)
+    config = load_hf(tmp_path).config
+    assert expected.pop("rope_theta") == config.rope_theta
+    assert expected.pop("type", expected["rope_type"]) == expected["rope_type"]
+    assert config.rope_scaling == expected

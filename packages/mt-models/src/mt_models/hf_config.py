@@ -2,7 +2,8 @@
 
 Reads both RoPE spellings: the current ``rope_parameters`` dict (with ``rope_theta`` and
 ``rope_type`` inside) and the older top-level ``rope_theta`` plus ``rope_scaling`` (whose
-type key may be ``type`` or ``rope_type``). Writes both (they agree). Keys the family does
+type key may be ``type`` or ``rope_type``); a non-empty ``rope_scaling`` wins over
+``rope_parameters``, as in transformers. Writes both (they agree). Keys the family does
 not use (``bos_token_id``, ``use_cache``, ...) are dropped on import; a few Hub aliases are
 mapped (Qwen3's ``num_local_experts`` as written by transformers 5; DeepSeek's
 ``aux_loss_alpha`` and ``seq_aux``). A field the file leaves out means what transformers
@@ -69,21 +70,25 @@ def family_of_hf_config(data: dict[str, Any]) -> str:
 
 
 def _split_rope(data: dict[str, Any]) -> tuple[float | None, dict | None, bool]:
-    """``(rope_theta, rope_scaling, found)`` from either spelling."""
-    params = data.get("rope_parameters")
-    if isinstance(params, dict) and params:
-        if any(isinstance(v, dict) for v in params.values()):
-            raise ValueError(
-                "config.json rope_parameters is nested per layer type; one RoPE for all "
-                "layers is supported"
-            )
-        theta = params.get("rope_theta", data.get("rope_theta"))
-        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-        return theta, scaling, True
-    # A null or empty rope_scaling is no RoPE setting at all, as transformers reads it: the
-    # family default applies (GPT-OSS's YaRN, not plain RoPE).
+    """``(rope_theta, rope_scaling, found)`` from either spelling, as transformers picks:
+    a non-empty ``rope_scaling`` wins over ``rope_parameters`` (a model card's "add
+    rope_scaling to config.json" applies to a file that also has ``rope_parameters``)."""
     scaling = data.get("rope_scaling")
-    return data.get("rope_theta"), dict(scaling) if scaling else None, bool(scaling)
+    if scaling:
+        params = dict(scaling)
+    else:
+        # A null or empty rope_scaling is no RoPE setting at all, as transformers reads it:
+        # rope_parameters or, without it, the family default (GPT-OSS's YaRN, not plain RoPE).
+        params = data.get("rope_parameters")
+        if not isinstance(params, dict) or not params:
+            return data.get("rope_theta"), None, False
+    if any(isinstance(v, dict) for v in params.values()):
+        raise ValueError(
+            "config.json rope_parameters is nested per layer type; one RoPE for all "
+            "layers is supported"
+        )
+    theta = params.get("rope_theta", data.get("rope_theta"))
+    return theta, {k: v for k, v in params.items() if k != "rope_theta"}, True
 
 
 def _clean_scaling(scaling: dict | None) -> dict | None:
