@@ -149,3 +149,19 @@ def test_position_ids_of_one_row_broadcast_over_the_batch(build_debug_model):
     input_ids_BS, _ = _batch()
     logits_BSV = model(input_ids_BS, position_ids=torch.arange(24)[None])
     torch.testing.assert_close(logits_BSV, model(input_ids_BS), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2", "gpt_oss"])
+def test_an_empty_batch_gives_empty_logits_and_zero_losses(build_debug_model, family):
+    # Views with an inferred (-1) dim failed on zero tokens ("cannot reshape tensor of 0
+    # elements ... ambiguous"), and the sequence-wise balancing loss of no sequence was NaN.
+    model = build_debug_model(family=family)
+    for shape in ((2, 0), (0, 5)):
+        ids = torch.zeros(shape, dtype=torch.int64)
+        assert model(ids).shape == (*shape, model.config.vocab_size)
+        for aux_loss_type in ("global", "sequence"):
+            model.config.aux_loss_type = aux_loss_type
+            out = model.loss(ids, ids)
+            assert int(out.num_tokens) == 0 and float(out.ce_sum.detach()) == 0.0
+            assert float(out.aux_loss.detach()) == 0.0, (shape, aux_loss_type)
+            (out.ce_sum + out.aux_loss).backward()

@@ -171,9 +171,9 @@ class GQAAttention(nn.Module):
         """
         batch, seq_len, _ = x_BSD.shape
         rope_positions = _or_arange(position_ids, seq_len, x_BSD.device)
-        q_BSHD = self.q_proj(x_BSD).view(batch, seq_len, self.num_heads, -1)
-        k_BSGD = self.k_proj(x_BSD).view(batch, seq_len, self.num_kv_heads, -1)
-        v_BSGD = self.v_proj(x_BSD).view(batch, seq_len, self.num_kv_heads, -1)
+        q_BSHD = self.q_proj(x_BSD).view(batch, seq_len, self.num_heads, self.head_dim)
+        k_BSGD = self.k_proj(x_BSD).view(batch, seq_len, self.num_kv_heads, self.head_dim)
+        v_BSGD = self.v_proj(x_BSD).view(batch, seq_len, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q_BSHD, k_BSGD = self.q_norm(q_BSHD), self.k_norm(k_BSGD)
         cos, sin = self.rotary(rope_positions)  # [S or B,S, Dh]
@@ -188,7 +188,7 @@ class GQAAttention(nn.Module):
             window=self.window,
             sinks_H=self.sinks,
         )  # [B, H, S, Dh]
-        out_BSD = out_BHSD.transpose(1, 2).reshape(batch, seq_len, -1)  # [B, S, H*Dh]
+        out_BSD = out_BHSD.transpose(1, 2).reshape(batch, seq_len, self.num_heads * self.head_dim)
         return self.o_proj(out_BSD)
 
     def score_flops_per_token(self, seq_len: int) -> float:

@@ -101,7 +101,7 @@ class DecoderLayer(nn.Module):
         out_TD = routed.residual_TD + expert_out_TD
         if routed.shared_out_TD is not None:
             out_TD = out_TD + routed.shared_out_TD
-        return out_TD.view(*routed.batch_shape, -1)
+        return out_TD.view(*routed.batch_shape, out_TD.shape[-1])
 
     def forward(self, x_BSD: Tensor, position_ids: Tensor | None = None) -> LayerOutput:
         """attend → dispatch → experts → combine → aggregate (dense: attend → experts → aggregate).

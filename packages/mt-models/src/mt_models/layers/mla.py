@@ -94,11 +94,14 @@ class MLAAttention(nn.Module):
             q = self.q_proj(x_BSD)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BSD)))
-        q_nope_BSHN, q_rope_BSHR = q.view(batch, seq_len, heads, -1).split([nope, rope], -1)
+        q_BSHK = q.view(batch, seq_len, heads, self.qk_head_dim)
+        q_nope_BSHN, q_rope_BSHR = q_BSHK.split([nope, rope], -1)
         latent_BSL, k_rope_BSR = self.kv_a_proj_with_mqa(x_BSD).split(
             [self.kv_lora_rank, rope], dim=-1
         )
-        kv_BSHX = self.kv_b_proj(self.kv_a_layernorm(latent_BSL)).view(batch, seq_len, heads, -1)
+        kv_BSHX = self.kv_b_proj(self.kv_a_layernorm(latent_BSL)).view(
+            batch, seq_len, heads, nope + self.v_head_dim
+        )
         k_nope_BSHN, v_BSHV = kv_BSHX.split([nope, self.v_head_dim], dim=-1)
         # Interleaved RoPE = half-split RoPE on de-interleaved q and k (same q·k).
         rope_positions = position_ids
@@ -118,7 +121,8 @@ class MLAAttention(nn.Module):
             window=None,
             sinks_H=None,
         )  # [B, H, S, Dv]
-        return self.o_proj(out_BHSV.transpose(1, 2).reshape(batch, seq_len, -1))
+        out_BSX = out_BHSV.transpose(1, 2).reshape(batch, seq_len, heads * self.v_head_dim)
+        return self.o_proj(out_BSX)
 
     def score_flops_per_token(self, seq_len: int) -> float:
         """Forward FLOPs of q·k and p·v per token: ``2 · H · (Dqk + Dv) · S/2``."""

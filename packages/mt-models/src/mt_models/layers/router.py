@@ -92,14 +92,14 @@ class TopKRouter(nn.Module):
     def _limit_groups(self, choice_TE: Tensor) -> Tensor:
         """Zeroes (softmax) or -inf's (sigmoid) the experts outside each token's best groups."""
         num_tokens = choice_TE.shape[0]
-        grouped_TNX = choice_TE.view(num_tokens, self.n_group, -1)
+        grouped_TNX = choice_TE.view(num_tokens, self.n_group, self.num_experts // self.n_group)
         if self.scoring_func == "sigmoid":
             group_score_TN = grouped_TNX.topk(2, dim=-1).values.sum(-1)
         else:
             group_score_TN = grouped_TNX.amax(dim=-1)
         group_ids = torch.topk(group_score_TN, self.topk_group, dim=-1, sorted=False).indices
         keep_TN = torch.zeros_like(group_score_TN, dtype=torch.bool).scatter_(1, group_ids, True)
-        keep_TE = keep_TN[:, :, None].expand_as(grouped_TNX).reshape(num_tokens, -1)
+        keep_TE = keep_TN[:, :, None].expand_as(grouped_TNX).reshape(num_tokens, self.num_experts)
         fill = float("-inf") if self.scoring_func == "sigmoid" else 0.0
         return choice_TE.masked_fill(~keep_TE, fill)
 
@@ -158,8 +158,9 @@ class TopKRouter(nn.Module):
 def _stats(logits_TE: Tensor, probs_TE: Tensor, topk_ids_TK: Tensor, batch: int) -> RouterStats:
     num_tokens, num_experts = probs_TE.shape
     chosen_TE = torch.zeros_like(probs_TE).scatter_(1, topk_ids_TK.detach(), 1.0)  # [T, E]
-    chosen_BSE = chosen_TE.view(batch, -1, num_experts)
-    probs_BSE = probs_TE.view(batch, -1, num_experts)
+    seq_len = num_tokens // batch if batch else 0
+    chosen_BSE = chosen_TE.view(batch, seq_len, num_experts)
+    probs_BSE = probs_TE.view(batch, seq_len, num_experts)
     return RouterStats(
         tokens_per_expert_E=chosen_TE.sum(0),
         prob_sum_E=probs_TE.sum(0),
@@ -167,7 +168,7 @@ def _stats(logits_TE: Tensor, probs_TE: Tensor, topk_ids_TK: Tensor, batch: int)
         z_sum=torch.logsumexp(logits_TE, dim=-1).square().sum(),
         tokens_per_expert_BE=chosen_BSE.sum(1),
         prob_sum_BE=probs_BSE.sum(1),
-        num_tokens_B=torch.full((batch,), num_tokens // batch, device=probs_TE.device),
+        num_tokens_B=torch.full((batch,), seq_len, device=probs_TE.device),
     )
 
 
@@ -207,7 +208,8 @@ def sequence_load_balancing_loss(stats: RouterStats) -> Tensor:
     num_tokens_B1 = stats.num_tokens_B.clamp_min(1).float()[:, None]
     fraction_BE = stats.tokens_per_expert_BE / num_tokens_B1
     mean_prob_BE = stats.prob_sum_BE / num_tokens_B1
-    return num_experts * (fraction_BE * mean_prob_BE).sum(-1).mean()
+    loss_B = num_experts * (fraction_BE * mean_prob_BE).sum(-1)
+    return loss_B.sum() / max(loss_B.numel(), 1)  # 0, not NaN, for an empty batch
 
 
 def router_z_loss(stats: RouterStats) -> Tensor:
