@@ -119,3 +119,16 @@ def test_deepseek_yarn_with_mscale_all_dim_and_no_factor_is_refused_naming_the_f
     config = dataclasses.replace(deepseek_debug(), rope_scaling={**yarn, "factor": 4.0})
     with torch.device("meta"):
         build_model(config)
+
+
+def test_gpt_oss_depth_change_error_says_to_reset_the_derived_layer_types():
+    # layer_types is filled in from num_hidden_layers, so replace() (or an mt-train
+    # override) of the depth alone keeps the old list; the error did not say what to do.
+    from mt_models.gpt_oss import debug as gpt_oss_debug
+
+    with pytest.raises(ValueError, match=r"4 layers; after changing num_hidden_layers, set"):
+        dataclasses.replace(gpt_oss_debug(), num_hidden_layers=4, layer_types=["full_attention"])
+    with pytest.raises(ValueError, match=r"or to None for the default"):
+        dataclasses.replace(gpt_oss_debug(), num_hidden_layers=2)
+    config = dataclasses.replace(gpt_oss_debug(), num_hidden_layers=2, layer_types=None)
+    assert config.layer_types == ["sliding_attention", "full_attention"]

@@ -132,7 +132,8 @@ class GptOssConfig:
         if len(self.layer_types) != self.num_hidden_layers or bad:
             raise ValueError(
                 f"layer_types ({self.layer_types}) must list one of {LAYER_TYPES} for each of "
-                f"the {self.num_hidden_layers} layers"
+                f"the {self.num_hidden_layers} layers; after changing num_hidden_layers, set "
+                "layer_types again, or to None for the default (alternating, sliding first)"
             )
         if self.swiglu_alpha <= 0 or self.swiglu_limit <= 0:
             raise ValueError(
