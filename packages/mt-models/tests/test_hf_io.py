@@ -560,3 +560,15 @@ def test_a_rope_scaling_beside_rope_parameters_wins_as_in_transformers(
     assert expected.pop("rope_theta") == config.rope_theta
     assert expected.pop("type", expected["rope_type"]) == expected["rope_type"]
     assert config.rope_scaling == expected
+
+
+def test_deepseek_fields_transformers_ignores_but_that_change_the_model_are_refused():
+    # The original DeepSeek-V2 code makes only layers with i % moe_layer_freq == 0 sparse and
+    # routes by scoring_func; transformers (and load_hf) ignored both and built another model
+    # (moe_layer_freq 2: a key mismatch blaming n_routed_experts and friends).
+    lite = config_to_hf(deepseek_v2_lite(), "bfloat16")
+    released = {"moe_layer_freq": 1, "scoring_func": "softmax"}
+    assert config_from_hf({**lite, **released}) == deepseek_v2_lite()
+    for key, value in (("moe_layer_freq", 2), ("scoring_func", "sigmoid")):
+        with pytest.raises(ValueError, match=rf"{key} \({value!r}\) is not supported"):
+            config_from_hf({**lite, **released, key: value})

@@ -11,7 +11,8 @@ makes of it (``HF_ABSENT_DEFAULTS`` where our dataclass defaults differ). A ``hi
 other than SiLU (Qwen3-MoE, DeepSeek-V2) is refused: dropping it would load the weights
 into a different function. A ``quantization_config`` is refused unless it is GPT-OSS's
 MXFP4 (dequantized on import): other methods store scales beside the weights that
-``load_hf`` does not apply.
+``load_hf`` does not apply. A DeepSeek-V2 ``moe_layer_freq`` other than 1 or ``scoring_func``
+other than softmax is refused too (transformers ignores both; the original code does not).
 """
 
 import dataclasses
@@ -30,6 +31,12 @@ DEFAULT_ROPE_THETA = {"qwen3_moe": 10000.0, "deepseek_v2": 10000.0, "gpt_oss": 1
 _HIDDEN_ACT_FAMILIES = ("qwen3_moe", "deepseek_v2")
 # ACT2FN names of SiLU.
 _SILU_NAMES = ("silu", "swish")
+
+# DeepSeek-V2 config.json fields of the original (trust_remote_code) model that
+# transformers' port ignores, and the one value each that both builds: every layer from
+# first_k_dense_replace on is sparse (the original also needs layer % moe_layer_freq == 0),
+# and routing is softmax. Any other value describes another architecture.
+_DEEPSEEK_FIXED = {"moe_layer_freq": 1, "scoring_func": "softmax"}
 
 # quantization_config quant_method that load_hf dequantizes, per family (hf_io, mxfp4.py).
 _DEQUANTIZED = {"gpt_oss": ("mxfp4",)}
@@ -148,6 +155,14 @@ def config_from_hf(data: dict[str, Any]) -> Any:
             f"experts here are SwiGLU, silu(gate) * up; only {_SILU_NAMES} load as the "
             "checkpoint was trained"
         )
+    fixed = _DEEPSEEK_FIXED if family == "deepseek_v2" else {}
+    for key, supported in fixed.items():
+        if data.get(key) not in (None, supported):
+            raise ValueError(
+                f"config.json {key} ({data[key]!r}) is not supported: only {supported!r} "
+                "(every released DeepSeek-V2) builds the model these weights were trained as; "
+                "transformers' DeepseekV2 ignores it and would build another one"
+            )
     quantization = data.get("quantization_config")
     if quantization:
         method = quantization.get("quant_method") if isinstance(quantization, dict) else None
