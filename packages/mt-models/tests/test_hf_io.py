@@ -572,3 +572,14 @@ def test_deepseek_fields_transformers_ignores_but_that_change_the_model_are_refu
     for key, value in (("moe_layer_freq", 2), ("scoring_func", "sigmoid")):
         with pytest.raises(ValueError, match=rf"{key} \({value!r}\) is not supported"):
             config_from_hf({**lite, **released, key: value})
+
+
+def test_save_hf_refuses_a_size_string_before_touching_an_earlier_save(build_debug_model, tmp_path):
+    # max_shard_size="5GB" (transformers' spelling) failed with a TypeError comparing int and
+    # str, after the earlier save's weights had been deleted: the directory lost its model.
+    model = build_debug_model()
+    save_hf(model, tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with pytest.raises(ValueError, match=r"max_shard_size \('5GB'\) must be a number of bytes"):
+        save_hf(model, tmp_path, max_shard_size="5GB")
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before

@@ -504,6 +504,12 @@ def save_hf_tensors(
         max_shard_size: Largest shard in bytes (a tensor larger than it gets its own).
         dtype: The model's dtype for ``config.json`` (its output weight's).
     """
+    if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int):
+        # Checked before the earlier weights are removed, which a failure would leave gone.
+        raise ValueError(
+            f"max_shard_size ({max_shard_size!r}) must be a number of bytes (an int, e.g. "
+            "5 * 2**30), not a size string like transformers' '5GB'"
+        )
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     _remove_earlier_weights(path)
