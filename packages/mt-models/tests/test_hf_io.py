@@ -233,6 +233,16 @@ def test_load_hf_names_the_index_and_the_shard_it_lists_that_is_missing(
         load_hf(tmp_path)
 
 
+def test_load_hf_names_the_shard_that_is_truncated(build_debug_model, tmp_path):
+    # An interrupted download leaves a short shard; safetensors' "incomplete metadata, file
+    # not fully covered" did not say which of the shards it was.
+    save_hf(build_debug_model(), tmp_path, max_shard_size=3_000_000)
+    shard = tmp_path / "model-00003-of-00004.safetensors"
+    shard.write_bytes(shard.read_bytes()[:100_000])
+    with pytest.raises(ValueError, match=rf"^{shard} is not a readable safetensors file \("):
+        load_hf(tmp_path)
+
+
 class _ReadTracker:
     """Wraps ``safe_open`` in ``hf_io``: counts tensor reads and the most read tensors (and
     their bytes) alive at once, each alive from its read until its tensor object is freed."""

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
@@ -316,6 +316,18 @@ def _canonical_shapes(family: str, hub_tensors: dict[str, _HubTensor]) -> dict[s
     }
 
 
+def _open_shard(file: Path, stack: ExitStack) -> Any:
+    """``safe_open`` of one weights file; a damaged one raises ValueError naming it (the
+    safetensors error alone does not say which of the shards is truncated)."""
+    try:
+        return stack.enter_context(safe_open(file, framework="pt"))
+    except SafetensorError as err:
+        raise ValueError(
+            f"{file} is not a readable safetensors file ({err}); download or copy it again "
+            "(an interrupted download or copy leaves it truncated)"
+        ) from None
+
+
 class _HubCheckpoint:
     """An open Hub checkpoint directory: family, config and tensor headers, no data read."""
 
@@ -327,10 +339,7 @@ class _HubCheckpoint:
             self.config = config_from_hf(data)
         except ValueError as err:
             raise ValueError(f"{path / 'config.json'}: {err}") from None
-        self.handles = {
-            name: stack.enter_context(safe_open(path / name, framework="pt"))
-            for name in _checkpoint_files(path)
-        }
+        self.handles = {name: _open_shard(path / name, stack) for name in _checkpoint_files(path)}
         self.headers = _read_headers(path, self.handles)
         # Tensors of no values carry nothing to load: transformers' DeepSeek-V2 always builds
         # its shared_experts MLP, of intermediate size 0 when n_shared_experts is 0, and
