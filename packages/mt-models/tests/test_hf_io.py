@@ -233,6 +233,26 @@ def test_load_hf_names_the_index_and_the_shard_it_lists_that_is_missing(
         load_hf(tmp_path)
 
 
+def test_load_hf_names_a_damaged_index_or_config_json(build_debug_model, tmp_path):
+    # json's "Expecting value: line 1 column 1" named no file, and an index without a
+    # weight_map failed as a bare KeyError('weight_map').
+    save_hf(build_debug_model(), tmp_path, max_shard_size=3_000_000)
+    index, config = tmp_path / hf_io.INDEX_NAME, tmp_path / "config.json"
+    good_index, good_config = index.read_text(), config.read_text()
+    for text, message in (
+        (good_index[:40], "is not valid JSON"),
+        ('{"metadata": {}}', 'has no "weight_map" object'),
+        ("[]", "holds a JSON list, not an object"),
+    ):
+        index.write_text(text)
+        with pytest.raises(ValueError, match=rf"^{index} {message}"):
+            load_hf(tmp_path)
+    index.write_text(good_index)
+    config.write_text(good_config[:40])
+    with pytest.raises(ValueError, match=rf"^{config} is not valid JSON \("):
+        load_hf(tmp_path)
+
+
 def test_load_hf_names_the_shard_that_is_truncated(build_debug_model, tmp_path):
     # An interrupted download leaves a short shard; safetensors' "incomplete metadata, file
     # not fully covered" did not say which of the shards it was.

@@ -90,12 +90,29 @@ _HEADER_DTYPES = {
 }
 
 
+def _read_json_object(file: Path) -> dict[str, Any]:
+    """The JSON object in ``file``; ValueError naming the file when it is not one (json's
+    own error names no file)."""
+    try:
+        data = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{file} is not valid JSON ({err}); download or copy it again") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file} holds a JSON {type(data).__name__}, not an object")
+    return data
+
+
 def _checkpoint_files(path: Path) -> list[str]:
     """Names of the directory's safetensors files: the index's shards, else the single file,
     else every ``*.safetensors``."""
     index = path / INDEX_NAME
     if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = _read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(
+                f'{index} has no "weight_map" object (tensor key → shard file); download it again'
+            )
+        files = sorted(set(weight_map.values()))
     elif (path / SINGLE_NAME).exists():
         files = [SINGLE_NAME]
     else:
@@ -333,7 +350,7 @@ class _HubCheckpoint:
 
     def __init__(self, path: Path, stack: ExitStack):
         self.path = path
-        data = json.loads((path / "config.json").read_text())
+        data = _read_json_object(path / "config.json")
         try:
             self.family = family_of_hf_config(data)
             self.config = config_from_hf(data)
