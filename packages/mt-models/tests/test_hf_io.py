@@ -253,6 +253,14 @@ def test_load_hf_names_a_damaged_index_or_config_json(build_debug_model, tmp_pat
         load_hf(tmp_path)
 
 
+def test_load_hf_of_a_hub_repo_id_says_to_download_it_first(tmp_path, monkeypatch):
+    # load_hf("Qwen/Qwen3-30B-A3B"), as from_pretrained takes it, raised a FileNotFoundError
+    # for Qwen/Qwen3-30B-A3B/config.json that did not say load_hf reads local directories.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"^Qwen/Qwen3-30B-A3B has no config.json: .* download"):
+        load_hf("Qwen/Qwen3-30B-A3B")
+
+
 def test_load_hf_names_the_shard_that_is_truncated(build_debug_model, tmp_path):
     # An interrupted download leaves a short shard; safetensors' "incomplete metadata, file
     # not fully covered" did not say which of the shards it was.

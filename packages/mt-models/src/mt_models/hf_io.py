@@ -350,6 +350,12 @@ class _HubCheckpoint:
 
     def __init__(self, path: Path, stack: ExitStack):
         self.path = path
+        if not (path / "config.json").is_file():
+            raise ValueError(
+                f"{path} has no config.json: load_hf reads a local checkpoint directory; for a "
+                f"Hub repo id, download it first (huggingface-cli download {path} --local-dir "
+                "<dir>) and pass that directory"
+            )
         data = _read_json_object(path / "config.json")
         try:
             self.family = family_of_hf_config(data)
