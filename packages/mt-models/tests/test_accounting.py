@@ -47,7 +47,7 @@ def test_gpt_oss_flops_count_windowed_layers_by_their_window(build_debug_model):
     attn = 128 * 32 * (4 + 2 + 2 + 4)
     moe = 128 * 8 + 2 * (128 * 192 + 96 * 128)  # router, top-2 of gate_up and down
     full = 2 * 4 * 64 * seq_len / 2
-    windowed = 2 * 4 * 64 * (64 - 64 * 64 / (2 * seq_len))  # mean of min(i, 64) over i < S
+    windowed = 2 * 4 * 64 * (64 - 64 * 64 / (2 * seq_len))  # ∫ min(x, 64) dx / S
     forward = 2 * (4 * (attn + moe) + 128 * 4096) + 2 * full + 2 * windowed
     assert model.flops_per_token(seq_len) == pytest.approx(3 * forward)
     # The window saves attention FLOPs only once the sequence is longer than it.

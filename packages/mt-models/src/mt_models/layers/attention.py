@@ -204,7 +204,9 @@ def causal_context(seq_len: int, window: int | None) -> float:
     """Mean number of keys a query attends to, ARCHITECTURE §8's convention.
 
     ``S/2`` for full causal attention; with a window ``W' = min(W, S)``:
-    ``W' − W'²/(2S)`` (the mean of ``min(i, W')`` over i < S, equal to ``S/2`` at W' = S).
+    ``W' − W'²/(2S)``, the same continuous count (the integral of ``min(x, W')`` over
+    ``0 ≤ x ≤ S``, divided by S; ``S/2`` at W' = S). The exact mean number of keys,
+    ``min(i + 1, W')`` over i < S, is ``W'/(2S)`` more (``(S + 1)/2`` without a window).
 
     Args:
         seq_len: S.
