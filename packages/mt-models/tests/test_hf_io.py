@@ -261,6 +261,26 @@ def test_load_hf_of_a_hub_repo_id_says_to_download_it_first(tmp_path, monkeypatc
         load_hf("Qwen/Qwen3-30B-A3B")
 
 
+def test_a_directory_with_both_single_file_and_index_loads_the_file_transformers_reads(
+    build_debug_model, tmp_path
+):
+    # transformers reads model.safetensors before the index; load_hf read the index's shards,
+    # so the two loaded different weights from the same directory.
+    import transformers
+
+    save_hf(build_debug_model(seed=1), tmp_path, max_shard_size=3_000_000)
+    single = build_debug_model(seed=2)
+    save_file(
+        {k: v.contiguous() for k, v in single.canonical_parameters().items()},
+        tmp_path / hf_io.SINGLE_NAME,
+    )
+    assert (tmp_path / hf_io.INDEX_NAME).exists()
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    expected = single.model.embed_tokens.weight
+    assert torch.equal(reference.model.embed_tokens.weight, expected)
+    assert torch.equal(load_hf(tmp_path).model.embed_tokens.weight, expected)
+
+
 def test_load_hf_names_the_shard_that_is_truncated(build_debug_model, tmp_path):
     # An interrupted download leaves a short shard; safetensors' "incomplete metadata, file
     # not fully covered" did not say which of the shards it was.

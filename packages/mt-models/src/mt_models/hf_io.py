@@ -103,18 +103,19 @@ def _read_json_object(file: Path) -> dict[str, Any]:
 
 
 def _checkpoint_files(path: Path) -> list[str]:
-    """Names of the directory's safetensors files: the index's shards, else the single file,
+    """Names of the directory's safetensors files: the single file, else the index's shards
+    (transformers' order, so both read the same weights from a directory holding both),
     else every ``*.safetensors``."""
     index = path / INDEX_NAME
-    if index.exists():
+    if (path / SINGLE_NAME).exists():
+        files = [SINGLE_NAME]
+    elif index.exists():
         weight_map = _read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ValueError(
                 f'{index} has no "weight_map" object (tensor key → shard file); download it again'
             )
         files = sorted(set(weight_map.values()))
-    elif (path / SINGLE_NAME).exists():
-        files = [SINGLE_NAME]
     else:
         files = sorted(p.name for p in path.glob("*.safetensors"))
     if not files:
@@ -496,8 +497,8 @@ def save_hf(model: CausalLM, path: str | Path, max_shard_size: int = 5 * 2**30) 
     they are made; a caller that needs all-or-nothing writes to a new directory and renames
     it (as ``mt-train convert mt-to-hf`` does). Weights of an earlier save into the same
     directory (``model.safetensors``, the index, ``model-*-of-*`` shards) are removed first,
-    as ``save_pretrained`` does: left there, an old index (read by ``load_hf``) or an old
-    ``model.safetensors`` (read by transformers) would win over the new files.
+    as ``save_pretrained`` does: left there, an old ``model.safetensors`` would win over new
+    shards (``load_hf`` and transformers read it first), and old shards would stay on disk.
 
     Args:
         model: A model of a family in ``MODEL_FAMILIES`` holding all experts.
