@@ -281,6 +281,16 @@ def test_a_directory_with_both_single_file_and_index_loads_the_file_transformers
     assert torch.equal(load_hf(tmp_path).model.embed_tokens.weight, expected)
 
 
+def test_load_hf_refuses_a_dtype_that_is_not_a_torch_dtype(build_debug_model, tmp_path):
+    # dtype="bfloat16" or "auto" (transformers' spellings) reached model.to() and failed
+    # with "Invalid device string: 'bfloat16'".
+    save_hf(build_debug_model(), tmp_path)
+    for dtype in ("bfloat16", "auto"):
+        with pytest.raises(ValueError, match=rf"dtype \('{dtype}'\) must be a torch.dtype"):
+            load_hf(tmp_path, dtype=dtype)
+    assert load_hf(tmp_path, dtype=torch.bfloat16).output_weight.dtype == torch.bfloat16
+
+
 def test_load_hf_names_the_shard_that_is_truncated(build_debug_model, tmp_path):
     # An interrupted download leaves a short shard; safetensors' "incomplete metadata, file
     # not fully covered" did not say which of the shards it was.

@@ -409,6 +409,11 @@ def load_hf(
     Returns:
         The model, every parameter set from the checkpoint.
     """
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise ValueError(
+            f"dtype ({dtype!r}) must be a torch.dtype such as torch.bfloat16, or None for the "
+            "checkpoint's own (what transformers calls 'auto')"
+        )
     path = Path(path)
     with ExitStack() as stack:
         hub = _HubCheckpoint(path, stack)
