@@ -104,6 +104,17 @@ def test_unpermute_rejects_wrong_row_count():
         unpermute(torch.randn(3, 4), plan, torch.ones(1, 2))
 
 
+def test_unpermute_of_fp64_rows_is_computed_in_fp64():
+    # Rounding through fp32 put the result ~1e-8 off, failing gradcheck.
+    topk_ids_TK, weights_TK = _routing(5, 4, 2, seed=1)
+    plan = plan_dispatch(topk_ids_TK, 4)
+    y_RD = torch.randn(10, 3, dtype=torch.float64, requires_grad=True)
+    w_TK = weights_TK.double().requires_grad_(True)
+    expected = y_RD[plan.row_of_slot_R].view(5, 2, 3).mul(w_TK[..., None]).sum(1)
+    assert torch.equal(unpermute(y_RD, plan, w_TK), expected)
+    assert torch.autograd.gradcheck(lambda y, w: unpermute(y, plan, w), (y_RD, w_TK))
+
+
 # --- planning and permutation kernels (Triton interpreter on CPU, compiled on GPU) ------
 
 from mt_ops.moe_permute import (  # noqa: E402

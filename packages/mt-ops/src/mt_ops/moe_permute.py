@@ -277,7 +277,7 @@ def unpermute(
 
     Returns:
         ``out[t] = Σ_k w[t, k] · y[row of (t, k)]``, shape [T, D], dtype of ``y_RD``,
-        summed in fp32.
+        summed in fp32 (in fp64 for fp64 ``y_RD`` on CPU).
     """
     num_rows = _check_unpermute(y_RD, plan, topk_weights_TK, num_rows)
     if not use_kernels(y_RD, topk_weights_TK) or plan.num_tokens * plan.topk == 0:
@@ -294,7 +294,8 @@ def unpermute_reference(
     y_RD = torch.nn.functional.pad(y_RD, (0, 0, 0, num_tokens * topk - num_rows))  # dropped: 0
     y_SD = y_RD.index_select(0, plan.row_of_slot_R)  # [T*K, D], slot order
     y_TKD = y_SD.view(num_tokens, topk, y_RD.shape[1])  # [T, K, D]
-    weighted_TKD = y_TKD.float() * topk_weights_TK.float().unsqueeze(-1)  # [T, K, D]
+    dtype = torch.promote_types(y_RD.dtype, torch.float32)  # fp64 is not rounded to fp32
+    weighted_TKD = y_TKD.to(dtype) * topk_weights_TK.to(dtype).unsqueeze(-1)  # [T, K, D]
     return weighted_TKD.sum(dim=1).to(y_RD.dtype)  # [T, D]
 
 
