@@ -137,6 +137,21 @@ def test_sinks_equal_an_extra_softmax_column_without_value():
     assert not torch.allclose(out, attention(q, k, v), atol=1e-3)  # the sinks matter
 
 
+def test_float64_attention_with_sinks_and_lse_is_computed_in_float64():
+    # The reference (run on CPU for sinks and LSE requests) rounded fp64 through fp32:
+    # ~1e-8 off and failing gradcheck.
+    q, k, v = _qkv((1, 4, 2, 5, 3), torch.float64, seed=4)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.float64)
+    mask = torch.ones(5, 5, dtype=torch.bool).tril() & ~torch.ones(5, 5, dtype=torch.bool).tril(-2)
+    out, lse = attention(q, k, v, window=2, sinks=sinks, return_lse=True)
+    assert out.dtype == lse.dtype == torch.float64
+    torch.testing.assert_close(out, _float64_attention(q, k, v, mask, sinks), rtol=1e-12, atol=0)
+    inputs = [t.requires_grad_(True) for t in (q, k, v, sinks)]
+    assert torch.autograd.gradcheck(
+        lambda q, k, v, s: attention_reference(q, k, v, window=2, sinks=s, return_lse=True),
+        inputs,
+    )
+
 def test_sinks_apply_once_after_merging_two_key_chunks_by_lse():
     """What a ring-attention core does: partial (out, lse) per k chunk, merge, then sinks."""
     q, k, v = _qkv((1, 4, 2, 12, 8), torch.float32, seed=4)

@@ -202,17 +202,20 @@ def apply_sinks(out_BHSD: Tensor, lse_BHS: Tensor, sinks_H: Tensor) -> Tensor:
         sinks_H: One sink logit per query head [Hq].
 
     Returns:
-        The output with sinks, in the dtype of ``out_BHSD``.
+        The output with sinks, in the dtype of ``out_BHSD`` (computed in fp32, in fp64
+        when any input is fp64).
     """
-    keep_BHS = torch.sigmoid(lse_BHS - sinks_H.float()[None, :, None])  # [B, Hq, Sq]
-    return (out_BHSD.float() * keep_BHS[..., None]).to(out_BHSD.dtype)
+    dtype = torch.promote_types(torch.promote_types(out_BHSD.dtype, lse_BHS.dtype), torch.float32)
+    keep_BHS = torch.sigmoid(lse_BHS.to(dtype) - sinks_H.to(dtype)[None, :, None])  # [B, Hq, Sq]
+    return (out_BHSD.to(dtype) * keep_BHS[..., None]).to(out_BHSD.dtype)
 
 
 def _with_sinks(out_BHSD: Tensor, lse_BHS: Tensor, sinks_H: Tensor | None):
     """``(out, lse)`` with the sinks folded in (both unchanged without sinks)."""
     if sinks_H is None:
         return out_BHSD, lse_BHS
-    lse_with_sink = torch.logaddexp(lse_BHS, sinks_H.float()[None, :, None].expand_as(lse_BHS))
+    sinks_BHS = sinks_H.to(lse_BHS.dtype)[None, :, None].expand_as(lse_BHS)
+    lse_with_sink = torch.logaddexp(lse_BHS, sinks_BHS)
     return apply_sinks(out_BHSD, lse_BHS, sinks_H), lse_with_sink
 
 
@@ -427,7 +430,7 @@ def attention(
 
     Returns:
         ``out`` [B, Hq, Sq, Dv] in the dtype of q, or ``(out, lse)`` with lse [B, Hq, Sq]
-        in fp32 when ``return_lse``.
+        in fp32 (fp64 for fp64 q on CPU) when ``return_lse``.
     """
     _check(q_BHSD, k_BHSD, v_BHSD, window, sinks)
     _check_rules(
@@ -499,7 +502,8 @@ def attention_reference(
     kv_document_ids: Tensor | None = None,
     return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """Explicit fp32 reference of :func:`attention`: scores, mask, log-sum-exp, softmax, sinks.
+    """Explicit reference of :func:`attention`: scores, mask, log-sum-exp, softmax, sinks;
+    computed in fp32 (fp64 for fp64 q).
 
     Args:
         q_BHSD: Queries [B, Hq, Sq, Dqk].
@@ -517,7 +521,7 @@ def attention_reference(
 
     Returns:
         ``out`` [B, Hq, Sq, Dv] in the dtype of q, or ``(out, lse)`` with lse [B, Hq, Sq]
-        in fp32 when ``return_lse``.
+        in fp32 (fp64 for fp64 q) when ``return_lse``.
     """
     _check(q_BHSD, k_BHSD, v_BHSD, window, sinks)
     _check_rules(
@@ -526,9 +530,10 @@ def attention_reference(
     )  # fmt: skip
     scale = 1.0 / math.sqrt(q_BHSD.shape[-1]) if scale is None else scale
     group = q_BHSD.shape[1] // k_BHSD.shape[1]
-    k = k_BHSD.float().repeat_interleave(group, dim=1)  # [B, Hq, Sk, Dqk]
-    v = v_BHSD.float().repeat_interleave(group, dim=1)  # [B, Hq, Sk, Dv]
-    scores = torch.matmul(q_BHSD.float(), k.transpose(-2, -1)) * scale  # [B, Hq, Sq, Sk]
+    dtype = torch.promote_types(q_BHSD.dtype, torch.float32)  # fp64 is not rounded to fp32
+    k = k_BHSD.to(dtype).repeat_interleave(group, dim=1)  # [B, Hq, Sk, Dqk]
+    v = v_BHSD.to(dtype).repeat_interleave(group, dim=1)  # [B, Hq, Sk, Dv]
+    scores = torch.matmul(q_BHSD.to(dtype), k.transpose(-2, -1)) * scale  # [B, Hq, Sq, Sk]
     mask = visible_mask(
         q_positions,
         kv_positions,
