@@ -281,3 +281,18 @@ def test_int32_labels_give_the_int64_result_in_op_and_reference(small_chunks):
         got, count = fn(hidden_TD, weight_VD, labels_T.int())
         want, want_count = fn(hidden_TD, weight_VD, labels_T)
         assert torch.equal(got, want) and int(count) == int(want_count)
+
+
+def test_narrow_integer_labels_give_the_int64_result_and_other_dtypes_are_refused(small_chunks):
+    # int16 / uint8 labels crashed the op in gather ("Expected dtype int32/int64 for
+    # index"); float labels were truncated by the reference, bool ones taken as ids 0 / 1.
+    hidden_TD, weight_VD, labels_T = _inputs(23, 16, 131, torch.float32)
+    kept_T = labels_T.clamp(min=0)  # uint8 holds no -100
+    for fn in (linear_cross_entropy, linear_cross_entropy_reference):
+        want, want_count = fn(hidden_TD, weight_VD, kept_T)
+        for dtype in (torch.int16, torch.uint8):
+            got, count = fn(hidden_TD, weight_VD, kept_T.to(dtype))
+            assert torch.equal(got, want) and int(count) == int(want_count), (fn, dtype)
+        for bad in (labels_T.float(), labels_T > 0):
+            with pytest.raises(ValueError, match=rf"labels dtype \({bad.dtype}\) must be an int"):
+                fn(hidden_TD, weight_VD, bad)

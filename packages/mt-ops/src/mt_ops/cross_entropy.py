@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mt_ops._dtypes import autocast_dtype, check_same_dtype
+from mt_ops._dtypes import autocast_dtype, check_same_dtype, is_integer
 from mt_ops._triton import launch, tl, triton, use_kernels
 
 __all__ = ["linear_cross_entropy", "linear_cross_entropy_reference"]
@@ -180,6 +180,11 @@ def _check(hidden_TD: Tensor, weight_VD: Tensor, labels_T: Tensor) -> None:
             f"labels are on {labels_T.device} but hidden is on {hidden_TD.device}; move the "
             "labels to the hidden states' device"
         )
+    if not is_integer(labels_T.dtype):
+        raise ValueError(
+            f"labels dtype ({labels_T.dtype}) must be an integer type; pass the target token "
+            "ids (a float would be truncated, a bool mask is no label)"
+        )
     check_same_dtype(("weight", weight_VD), ("hidden", hidden_TD))
 
 
@@ -255,7 +260,8 @@ def linear_cross_entropy(
         hidden_TD: Final hidden states [T, D].
         weight_VD: Output projection (lm head) [V, D], same dtype as ``hidden_TD`` unless
             autocast is on for their device.
-        labels_T: Target token ids [T]; entries equal to ``ignore_index`` are skipped.
+        labels_T: Target token ids, integer [T]; entries equal to ``ignore_index`` are
+            skipped.
         ignore_index: Label value that contributes neither loss nor gradient.
         z_loss_weight: Weight z of the z-loss ``z · logsumexp²`` added per valid token.
 
@@ -264,6 +270,8 @@ def linear_cross_entropy(
         int64 scalar count of valid labels.
     """
     _check(hidden_TD, weight_VD, labels_T)
+    if labels_T.dtype not in (torch.int32, torch.int64):  # gather's only index types
+        labels_T = labels_T.long()
     chunk_tokens = max(1, _CHUNK_LOGITS_ELEMENTS // max(1, weight_VD.shape[0]))
     return _ChunkedLinearCrossEntropy.apply(
         hidden_TD, weight_VD, labels_T, ignore_index, chunk_tokens, float(z_loss_weight),
@@ -285,7 +293,8 @@ def linear_cross_entropy_reference(
         hidden_TD: Final hidden states [T, D].
         weight_VD: Output projection (lm head) [V, D], same dtype as ``hidden_TD`` unless
             autocast is on for their device.
-        labels_T: Target token ids [T]; entries equal to ``ignore_index`` are skipped.
+        labels_T: Target token ids, integer [T]; entries equal to ``ignore_index`` are
+            skipped.
         ignore_index: Label value that contributes neither loss nor gradient.
         z_loss_weight: Weight z of the z-loss ``z · logsumexp²`` added per valid token.
 
