@@ -58,6 +58,15 @@ def test_clamping_stops_the_gradient_beyond_the_limit():
     assert x.grad[0, 2] != 0
 
 
+@pytest.mark.parametrize("fn", [clamped_swiglu, clamped_swiglu_reference])
+def test_very_negative_gates_have_zero_output_and_finite_gradient(fn):
+    # The reference's gate / (1 + exp(-alpha·gate)) overflowed exp in fp32 below a gate of
+    # about -52: output -0, but a NaN gradient (0 · inf).
+    x = torch.tensor([[-60.0, 1.0, -200.0, 2.0, -3.0, 0.5]], requires_grad=True)
+    fn(x).sum().backward()
+    assert torch.isfinite(x.grad).all(), x.grad
+    assert x.grad[0, 0] == 0 and x.grad[0, 2] == 0 and x.grad[0, 4] != 0
+
 def test_clamped_swiglu_rejects_odd_width_and_bad_constants():
     with pytest.raises(ValueError, match="even last dim"):
         clamped_swiglu(torch.zeros(2, 3))

@@ -10,8 +10,8 @@ trip through memory, and autograd saves several temporaries. The fused kernel
 ``out``, and recomputes the activation in the backward.
 
 The public op is the eager expression in fp32 (strided slices, ``clamp``); the reference
-spells it out differently (pairs view, ``where``, ``exp``), also in fp32 (both in fp64 for
-fp64 inputs).
+spells it out differently (pairs view, ``where``), also in fp32 (both in fp64 for fp64
+inputs).
 """
 
 import torch
@@ -72,5 +72,6 @@ def clamped_swiglu_reference(gate_up: Tensor, alpha: float = 1.702, limit: float
     # Values at the bound keep their gradient (as ``clamp``); beyond it they lose it.
     gate = torch.where(gate > limit, torch.full_like(gate, limit), gate)
     up = torch.where(up.abs() > limit, torch.sign(up) * limit, up)
-    glu = gate / (1 + torch.exp(-alpha * gate))
+    # (gate / (1 + exp(-alpha·gate)) overflows exp below gate ≈ -52 in fp32: a NaN gradient)
+    glu = gate * torch.sigmoid(alpha * gate)
     return ((up + 1) * glu).to(gate_up.dtype)
