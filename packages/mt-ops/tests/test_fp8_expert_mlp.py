@@ -98,6 +98,10 @@ def test_fused_mlp_rejects_biased_or_misordered_projections():
     biased = FP8GroupedLinear(2, 128, 256, bias=True)
     with pytest.raises(ValueError, match="without bias"):
         fp8_swiglu_experts(x, counts, biased, projs[1], projs[2])
+    # Float counts were truncated by the fused op (the reference refused them).
+    for fn in (fp8_swiglu_experts, fp8_swiglu_experts_reference):
+        with pytest.raises(ValueError, match=r"tokens_per_expert dtype \(torch.float32\)"):
+            fn(x, counts.float(), *projs)
 
 
 @pytest.mark.gpu

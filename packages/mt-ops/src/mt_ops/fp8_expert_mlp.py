@@ -46,6 +46,7 @@ from mt_ops.fp8_gemm import fp8_grouped_gemm, fp8_grouped_gemm_sum, fp8_grouped_
 from mt_ops.fp8_linear import FP8GroupedLinear, QuantizedWeight, _autocast_input, _weight_source
 from mt_ops.fp8_quant import Fp8Quantized, RowTiles, quantize_1x128_dual, row_tiles
 from mt_ops.fp8_swiglu import swiglu_backward_quantize_1x128, swiglu_quantize_1x128
+from mt_ops.grouped_linear import _check_shapes as _check_grouped_args
 from mt_ops.moe_permute import (
     DispatchPlan,
     _gather_sum,
@@ -228,6 +229,7 @@ def _check(x_RD, tokens_per_expert_E, gate_proj, up_proj, down_proj) -> None:
             f"x shape ({tuple(x_RD.shape)}) and tokens_per_expert shape "
             f"({tuple(tokens_per_expert_E.shape)}) must be [R, {dim}] and [{num_experts}]"
         )
+    _check_grouped_args(x_RD, gate_proj.weight, tokens_per_expert_E)  # integer counts
 
 
 def fp8_swiglu_experts(
