@@ -39,6 +39,20 @@ def test_apply_rope_equals_complex_multiplication_of_half_pairs():
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_float64_rope_is_computed_in_float64_and_passes_gradcheck():
+    # fp64 x was rounded through fp32 (~1e-8 off the complex product, failing gradcheck).
+    batch, seq_len, heads, head_dim = 1, 5, 2, 8
+    x = torch.randn(batch, seq_len, heads, head_dim, dtype=torch.float64, requires_grad=True)
+    cos, sin, angles = _cos_sin(seq_len, head_dim)
+    half = head_dim // 2
+    z = torch.complex(x.detach()[..., :half], x.detach()[..., half:])
+    rotated = z * torch.polar(torch.ones_like(angles), angles)[None, :, None, :]
+    expected = torch.cat((rotated.real, rotated.imag), dim=-1)
+    for fn in (apply_rope, apply_rope_reference):
+        torch.testing.assert_close(fn(x, cos, sin).detach(), expected, rtol=1e-12, atol=1e-12)
+        assert torch.autograd.gradcheck(fn, (x, cos, sin))
+
+
 def test_apply_rope_accepts_batched_cos_sin_and_preserves_norm():
     x = torch.randn(2, 11, 4, 8)
     cos, sin, _ = _cos_sin(11, 8)

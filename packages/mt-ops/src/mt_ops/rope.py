@@ -12,7 +12,8 @@ the gradient by the opposite angles (the transpose of the rotation). ``x`` may b
 view (a split of a projection, or a transposed gradient) as long as its last dim is
 contiguous.
 
-Both ops compute in fp32 and return the dtype of ``x``.
+Both ops compute in fp32 (the reference, which is the CPU path, in fp64 for fp64 ``x``) and
+return the dtype of ``x``.
 """
 
 import torch
@@ -154,10 +155,11 @@ def apply_rope_reference(x_BSHD: Tensor, cos_SD: Tensor, sin_SD: Tensor) -> Tens
         Rotated tensor of the shape and dtype of ``x_BSHD``.
     """
     cos, sin = _broadcast_cos_sin(x_BSHD, cos_SD, sin_SD)
-    x = x_BSHD.float()
+    dtype = torch.promote_types(x_BSHD.dtype, torch.float32)  # fp64 is not rounded to fp32
+    x = x_BSHD.to(dtype)
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
-    return (x * cos.float() + rotated * sin.float()).to(x_BSHD.dtype)
+    return (x * cos.to(dtype) + rotated * sin.to(dtype)).to(x_BSHD.dtype)
 
 
 def _kernel_function_for_test():
