@@ -152,6 +152,7 @@ def test_float64_attention_with_sinks_and_lse_is_computed_in_float64():
         inputs,
     )
 
+
 def test_sinks_apply_once_after_merging_two_key_chunks_by_lse():
     """What a ring-attention core does: partial (out, lse) per k chunk, merge, then sinks."""
     q, k, v = _qkv((1, 4, 2, 12, 8), torch.float32, seed=4)

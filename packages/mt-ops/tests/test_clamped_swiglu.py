@@ -67,6 +67,7 @@ def test_very_negative_gates_have_zero_output_and_finite_gradient(fn):
     assert torch.isfinite(x.grad).all(), x.grad
     assert x.grad[0, 0] == 0 and x.grad[0, 2] == 0 and x.grad[0, 4] != 0
 
+
 def test_clamped_swiglu_rejects_odd_width_and_bad_constants():
     with pytest.raises(ValueError, match="even last dim"):
         clamped_swiglu(torch.zeros(2, 3))
