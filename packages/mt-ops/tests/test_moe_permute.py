@@ -161,6 +161,15 @@ def test_plan_kernels_place_an_expert_a_token_picks_twice():
     _assert_same_plan(got, expected)
 
 
+def test_plan_kernels_leave_out_int64_ids_that_wrap_into_range_as_int32():
+    # 2**32 + 1 was cast to int32 before the range check and counted as expert 1.
+    topk_ids_TK = torch.tensor([[0, 2**32 + 1], [1, 2], [-(2**32) + 3, 3]])
+    plan = _run_plan_kernels_for_test(topk_ids_TK, 4, 2, 2, block_tokens=1)
+    assert plan.tokens_per_expert_E.tolist() == [1, 1, 1, 1]
+    assert plan.token_to_rank_TP.tolist() == [[1, 0], [1, 1], [0, 1]]
+    assert plan.sorted_slot_R[:4].tolist() == [0, 2, 3, 5]
+
+
 def test_tokens_per_rank_count_each_token_once_per_rank():
     # 4 experts on 2 ranks: token 0 picks experts 0 and 1 (both rank 0): counted once.
     topk_ids_TK = torch.tensor([[0, 1], [1, 2], [3, 2], [0, 3]])

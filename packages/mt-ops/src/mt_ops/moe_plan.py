@@ -124,9 +124,9 @@ def _load_step(ids_ptr, t0, t_end, topk, num_experts, BLOCK_T: tl.constexpr,
     ks = tl.arange(0, BLOCK_K)
     ok = (tokens < t_end)[:, None] & (ks < topk)[None, :]
     slots = tokens[:, None].to(tl.int64) * topk + ks[None, :]
-    ids = tl.load(ids_ptr + slots, mask=ok, other=0).to(tl.int32)
-    ok = ok & (ids >= 0) & (ids < num_experts)
-    return tl.where(ok, ids, num_experts), tokens, ok
+    ids = tl.load(ids_ptr + slots, mask=ok, other=0)
+    ok = ok & (ids >= 0) & (ids < num_experts)  # in the ids' own type: int32 would wrap int64s
+    return tl.where(ok, ids.to(tl.int32), num_experts), tokens, ok
 
 
 @triton.jit
