@@ -122,7 +122,11 @@ from mt_ops.moe_permute import (  # noqa: E402
     permute_reference,
     unpermute_reference,
 )
-from mt_ops.moe_plan import _run_plan_kernels_for_test, plan_dispatch_reference  # noqa: E402
+from mt_ops.moe_plan import (  # noqa: E402
+    _kernels_apply,
+    _run_plan_kernels_for_test,
+    plan_dispatch_reference,
+)
 
 PLAN_FIELDS = ["tokens_per_expert_E", "sorted_token_ids_R", "sorted_slot_R", "row_of_slot_R"]
 
@@ -168,6 +172,12 @@ def test_plan_kernels_leave_out_int64_ids_that_wrap_into_range_as_int32():
     assert plan.tokens_per_expert_E.tolist() == [1, 1, 1, 1]
     assert plan.token_to_rank_TP.tolist() == [[1, 0], [1, 1], [0, 1]]
     assert plan.sorted_slot_R[:4].tolist() == [0, 2, 3, 5]
+
+
+def test_plans_of_2_to_the_31_slots_or_more_take_the_int64_reference():
+    # The kernel counts and places rows in int32: R = T·K >= 2**31 would wrap.
+    assert _kernels_apply(torch.empty(2**28 - 1, 8, dtype=torch.int32, device="meta"))
+    assert not _kernels_apply(torch.empty(2**28, 8, dtype=torch.int32, device="meta"))
 
 
 def test_tokens_per_rank_count_each_token_once_per_rank():

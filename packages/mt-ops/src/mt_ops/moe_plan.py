@@ -303,7 +303,8 @@ def _plan_kernels(
 
 
 def _kernels_apply(topk_ids_TK: Tensor) -> bool:
-    return 0 < topk_ids_TK.shape[1] <= 16  # a step sorts 128·K keys in registers
+    # A step sorts 128·K keys in registers; counts and rows are int32 in the kernel.
+    return 0 < topk_ids_TK.shape[1] <= 16 and topk_ids_TK.numel() < 2**31
 
 
 def plan_dispatch(
