@@ -1,11 +1,12 @@
 """mt-train generate: prompt encoding (the sampling loop runs in tests/test_pretrain.py)."""
 
 import pytest
+import torch
 
 from mt_data import default_tokenizer_path
 from mt_data.tokenizer import load_tokenizer
 from mt_train.cli import main
-from mt_train.generate import encode_prompt, generate
+from mt_train.generate import encode_prompt, generate, sample_next
 
 
 def test_special_tokens_in_a_prompt_are_their_ids_and_the_tokenizer_is_left_as_it_was():
@@ -35,3 +36,16 @@ def test_ctrl_c_during_generate_prints_one_line_and_exits_130(monkeypatch, capsy
     assert main(["generate", "--checkpoint", "ckpt", "--prompt", "x"]) == 130
     err = capsys.readouterr().err
     assert err == "mt-train: interrupted\n"
+
+
+def test_sampling_at_a_tiny_temperature_picks_the_likeliest_token():
+    logits_V = torch.tensor([1.0, 3.0, 2.0, -torch.inf])
+    generator = torch.Generator().manual_seed(0)
+    # 3.0 / 1e-40 overflows float32: the softmax was NaN and multinomial raised.
+    for temperature in (1e-40, 1e-300):
+        assert sample_next(logits_V, temperature, 0.9, generator) == 1
+
+
+def test_a_nan_temperature_is_a_value_error_naming_it():
+    with pytest.raises(ValueError, match=r"--temperature \(nan\)"):
+        generate("no-checkpoint-needed", "x", temperature=float("nan"))

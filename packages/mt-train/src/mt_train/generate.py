@@ -39,7 +39,10 @@ def sample_next(
     """
     if temperature <= 0:
         return int(logits_V.argmax())
-    probs_V = torch.softmax(logits_V.float() / temperature, dim=-1)
+    # Shifted so the largest is 0: a tiny temperature then sends the others to -inf
+    # instead of overflowing the largest to inf (a NaN softmax).
+    shifted_V = logits_V.double() - logits_V.max().double()
+    probs_V = torch.softmax(shifted_V / temperature, dim=-1)
     sorted_V, order_V = probs_V.sort(descending=True)
     # Keep a token while the mass before it is below top_p (the first is always kept).
     keep_V = sorted_V.cumsum(-1) - sorted_V < top_p
@@ -94,7 +97,7 @@ def generate(
     Returns:
         The prompt followed by the generated text.
     """
-    if max_new_tokens < 0 or not 0 < top_p <= 1 or temperature < 0:
+    if max_new_tokens < 0 or not 0 < top_p <= 1 or not temperature >= 0:  # NaN fails too
         raise ValueError(
             f"--max-new-tokens ({max_new_tokens}) must be >= 0, --top-p ({top_p}) in (0, 1] "
             f"and --temperature ({temperature}) >= 0"
