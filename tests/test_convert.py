@@ -215,6 +215,34 @@ def test_convert_and_generate_name_a_damaged_checkpoint_in_a_one_line_error(
     assert not (tmp_path / "back").exists()
 
 
+def test_hf_to_mt_and_init_from_name_a_damaged_config_json_index_or_shard(
+    tmp_path, mt_checkpoint, capsys
+):
+    hf = mt_checkpoint.parent / "hf"
+    damages = {
+        "config.json": (b"{not json", "config.json is not valid JSON"),
+        "config.json ": (b"[]", "config.json holds a JSON list, not an object"),
+        "model.safetensors": (b"\x10\x00", "model.safetensors is not a readable safetensors"),
+    }
+    for i, (name, (content, expected)) in enumerate(damages.items()):
+        source = tmp_path / f"hf{i}"
+        shutil.copytree(hf, source)
+        (source / name.strip()).write_bytes(content)
+        argv = ["convert", "hf-to-mt", "--hf", str(source), "--out", str(tmp_path / "out")]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert str(source) in err and expected in err and "Traceback" not in err, err
+        with pytest.raises(ValueError, match=expected):
+            convert.init_from_weights(build_model(FAMILIES["gpt_oss"]), source)
+    sharded = tmp_path / "sharded"
+    _write_hf(FAMILIES["qwen3_moe"], sharded, torch.float32)
+    save_hf(hf_io.load_hf(sharded), sharded, max_shard_size=100_000)
+    (sharded / "model.safetensors.index.json").write_text('{"weight_map": ')
+    with pytest.raises(ValueError, match="model.safetensors.index.json is not valid JSON"):
+        hf_io.load_hf(sharded)
+    assert not (tmp_path / "out").exists()
+
+
 def test_an_out_under_a_file_is_a_one_line_error_naming_it(tmp_path, mt_checkpoint, capsys):
     (tmp_path / "a_file").write_text("")
     out = tmp_path / "a_file" / "out"
