@@ -256,6 +256,19 @@ def test_an_out_under_a_file_is_a_one_line_error_naming_it(tmp_path, mt_checkpoi
         assert "choose another --out" in err and "Traceback" not in err
 
 
+def test_an_out_that_is_the_current_directory_is_refused_naming_it(
+    tmp_path, mt_checkpoint, monkeypatch, capsys
+):
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    for out in (".", ""):  # "" is the current directory too
+        assert main(["convert", "mt-to-hf", "--checkpoint", str(mt_checkpoint), "--out", out]) == 2
+        err = capsys.readouterr().err
+        assert f"--out {tmp_path / 'here'} is the current directory" in err, err
+    assert list(tmp_path.iterdir()) == [tmp_path / "here"]
+    assert list((tmp_path / "here").iterdir()) == []
+
+
 def test_parse_size_reads_decimal_and_binary_units():
     assert parse_size("5GB") == 5 * 10**9
     assert parse_size("2GiB") == 2 * 2**30

@@ -116,9 +116,16 @@ def training_tokenizer(checkpoint: str | Path) -> Path | None:
     return None
 
 
-def _check_out(out_dir: Path) -> None:
-    """Raises unless `out_dir` is missing or an empty directory; creates its parent (where
-    the temporary directory goes), before the slow reading of the source."""
+def _check_out(out_dir: Path) -> Path:
+    """Raises unless `out_dir` is missing or an empty directory other than the current
+    one; creates its parent (where the temporary directory goes), before the slow reading
+    of the source. Returns it as an absolute path."""
+    out_dir = Path(os.path.abspath(out_dir))
+    if out_dir == Path.cwd():  # the finished directory is renamed over it
+        raise ValueError(
+            f"--out {out_dir} is the current directory, which the conversion would replace "
+            "by a new one; give a new directory, e.g. --out ./hf"
+        )
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ValueError(
             f"--out {out_dir} exists and is not an empty directory; choose a new directory"
@@ -129,6 +136,7 @@ def _check_out(out_dir: Path) -> None:
         raise ValueError(
             f"--out {out_dir}: its directory cannot be created ({err}); choose another --out"
         ) from None
+    return out_dir
 
 
 def hf_to_mt(hf_dir: str | Path, out_dir: str | Path) -> Path:
@@ -147,7 +155,7 @@ def hf_to_mt(hf_dir: str | Path, out_dir: str | Path) -> Path:
         raise ValueError(
             f"--hf {hf_dir} is not a Hugging Face directory (config.json + *.safetensors)"
         )
-    _check_out(out_dir)
+    out_dir = _check_out(out_dir)
     model = load_hf(hf_dir)
     family = next(n for n, (_, cls) in MODEL_FAMILIES.items() if type(model) is cls)
     tensors = {f"model/{k}": v.detach() for k, v in model.canonical_parameters().items()}
@@ -232,7 +240,7 @@ def mt_to_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: int = 
         The output directory.
     """
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
-    _check_out(out_dir)
+    out_dir = _check_out(out_dir)
     model_config, canonical = read_mt_checkpoint(checkpoint)
     family = next(n for n, (cls, _) in MODEL_FAMILIES.items() if isinstance(model_config, cls))
     with torch.device("meta"):
