@@ -243,6 +243,32 @@ def test_hf_to_mt_and_init_from_name_a_damaged_config_json_index_or_shard(
     assert not (tmp_path / "out").exists()
 
 
+def test_a_checkpoint_whose_model_config_this_version_cannot_build_is_a_one_line_error(
+    tmp_path, mt_checkpoint, capsys
+):
+    edits = {
+        "newer": lambda state: state["config"]["model"].update(a_newer_field=1),
+        "no_config": lambda state: state.pop("config"),
+        "unknown_family": lambda state: state["config"].update(model_family="llama"),
+    }
+    for name, edit in edits.items():
+        checkpoint = tmp_path / name
+        shutil.copytree(mt_checkpoint, checkpoint)
+        state = json.loads((checkpoint / "train_state.json").read_text())
+        edit(state)
+        (checkpoint / "train_state.json").write_text(json.dumps(state))
+        for argv in (
+            ["convert", "mt-to-hf", "--checkpoint", str(checkpoint), "--out",
+             str(tmp_path / "back")],
+            ["generate", "--checkpoint", str(checkpoint), "--prompt", "x"],
+        ):  # fmt: skip
+            assert main(argv) == 2
+            err = capsys.readouterr().err
+            assert f"checkpoint {checkpoint}: train_state.json holds no model config" in err, err
+            assert "give another checkpoint" in err and "Traceback" not in err
+    assert not (tmp_path / "back").exists()
+
+
 def test_an_out_under_a_file_is_a_one_line_error_naming_it(tmp_path, mt_checkpoint, capsys):
     (tmp_path / "a_file").write_text("")
     out = tmp_path / "a_file" / "out"

@@ -421,6 +421,7 @@ DAMAGES = {
     "tensor_file_torn": _tear_a_tensor_file,
     "metadata_empty": lambda step: (step / ".metadata").write_bytes(b""),
     "train_state_torn": lambda step: (step / "train_state.json").write_text('{"step": 2, "da'),
+    "train_state_without_config": lambda step: (step / "train_state.json").write_text("{}"),
 }
 
 

@@ -214,8 +214,15 @@ def _mt_checkpoint_config(path: Path) -> Any:
             "step_N directory of a run or the output of `mt-train convert hf-to-mt`"
         )
     with reading_checkpoint(path, _OTHER_CHECKPOINT):
-        saved = json.loads((path / _STATE_FILE).read_text())["config"]
-    return MODEL_FAMILIES[saved["model_family"]][0](**saved["model"])
+        state = json.loads((path / _STATE_FILE).read_text())
+    try:
+        saved = state["config"]
+        return MODEL_FAMILIES[saved["model_family"]][0](**saved["model"])
+    except (KeyError, TypeError, ValueError) as err:  # no config, unknown family or fields
+        raise ValueError(
+            f"checkpoint {path}: {_STATE_FILE} holds no model config this version can build "
+            f"({type(err).__name__}: {err}); {_OTHER_CHECKPOINT}"
+        ) from None
 
 
 def mt_to_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: int = 5 * 10**9) -> Path:
