@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -266,6 +267,27 @@ def test_a_checkpoint_whose_model_config_this_version_cannot_build_is_a_one_line
             err = capsys.readouterr().err
             assert f"checkpoint {checkpoint}: train_state.json holds no model config" in err, err
             assert "give another checkpoint" in err and "Traceback" not in err
+    assert not (tmp_path / "back").exists()
+
+
+def test_a_checkpoint_whose_corpus_tokenizer_is_not_found_is_an_error_not_another_tokenizer(
+    tmp_path, mt_checkpoint, capsys
+):
+    checkpoint = tmp_path / "step_00000002"
+    shutil.copytree(mt_checkpoint, checkpoint)
+    (checkpoint / "tokenizer.json").unlink()
+    state = json.loads((checkpoint / "train_state.json").read_text())
+    state["config"]["data"] = {"path": "corpus"}  # relative to where the run was started
+    (checkpoint / "train_state.json").write_text(json.dumps(state))
+    for argv in (
+        ["convert", "mt-to-hf", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "back")],
+        ["generate", "--checkpoint", str(checkpoint), "--prompt", "x", "--max-new-tokens", "1"],
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"trained on the corpus in corpus, but {Path('corpus', 'manifest.json')} is not" \
+            in err, err
+        assert f"copy the tokenizer.json the model was trained with into {checkpoint}" in err
     assert not (tmp_path / "back").exists()
 
 

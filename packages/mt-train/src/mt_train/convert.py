@@ -98,8 +98,14 @@ def training_tokenizer(checkpoint: str | Path) -> Path | None:
 
     Returns:
         The tokenizer.json path, or None.
+
+    Raises:
+        ValueError: the run's corpus is named but its manifest or tokenizer is not there
+            (a relative ``data.path`` seen from another directory, a moved corpus): any
+            other tokenizer would silently turn the model's ids into other text.
     """
     checkpoint = Path(checkpoint)
+    _mt_checkpoint_config(checkpoint)  # not a checkpoint, or a damaged one: named
     if (checkpoint / "tokenizer.json").is_file():
         return checkpoint / "tokenizer.json"
     state = json.loads((checkpoint / _STATE_FILE).read_text())
@@ -109,11 +115,15 @@ def training_tokenizer(checkpoint: str | Path) -> Path | None:
     if not data.get("path"):
         return Path(default_tokenizer_path())
     manifest = Path(data["path"]) / "manifest.json"
-    if manifest.is_file():
-        named = json.loads(manifest.read_text()).get("tokenizer")
-        if named and Path(named).is_file():
-            return Path(named)
-    return None
+    named = json.loads(manifest.read_text()).get("tokenizer") if manifest.is_file() else None
+    if named and Path(named).is_file():
+        return Path(named)
+    missing = f"the tokenizer {named} it names" if named else manifest
+    raise ValueError(
+        f"checkpoint {checkpoint} was trained on the corpus in {data['path']}, but "
+        f"{missing} is not there (from {os.getcwd()}); copy the tokenizer.json the model "
+        f"was trained with into {checkpoint}"
+    )
 
 
 def _check_out(out_dir: Path) -> Path:
@@ -248,6 +258,7 @@ def mt_to_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: int = 
     """
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     out_dir = _check_out(out_dir)
+    tokenizer = training_tokenizer(checkpoint)  # before the slow reading
     model_config, canonical = read_mt_checkpoint(checkpoint)
     family = next(n for n, (cls, _) in MODEL_FAMILIES.items() if isinstance(model_config, cls))
     with torch.device("meta"):
@@ -262,7 +273,6 @@ def mt_to_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: int = 
     try:
         save_hf_tensors(family, model_config, canonical, tmp, max_shard_size, dtype)
         _copy_tokenizer_files(checkpoint, tmp)
-        tokenizer = training_tokenizer(checkpoint)
         if tokenizer is not None and not (tmp / "tokenizer.json").exists():
             shutil.copy2(tokenizer, tmp / "tokenizer.json")
             beside = tokenizer.parent / "tokenizer_config.json"

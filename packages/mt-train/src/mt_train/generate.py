@@ -3,8 +3,8 @@
 One process on CPU or one GPU, no KV cache: each new token re-runs the model on the
 whole sequence (fine for looking at a checkpoint, not for serving). The tokenizer is the
 checkpoint directory's ``tokenizer.json``, else the one named by the run's corpus
-manifest (``data.path``), else mt-data's default tokenizer. Special tokens written in the
-prompt (a chat template's) are encoded as their ids, as Hugging Face tokenizers do.
+manifest (``data.path``; an error when it cannot be found), else mt-data's default
+tokenizer. Special tokens written in the prompt (a chat template's) are encoded as their ids, as Hugging Face tokenizers do.
 """
 
 from __future__ import annotations
@@ -111,6 +111,7 @@ def generate(
     if device_type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {device}: no CUDA device is available here; use --device cpu")
     checkpoint = Path(checkpoint)
+    tokenizer_path = training_tokenizer(checkpoint) or default_tokenizer_path()
     model_config, canonical = read_mt_checkpoint(checkpoint)
     family = next(n for n, (cls, _) in MODEL_FAMILIES.items() if isinstance(model_config, cls))
     with torch.device("meta"):
@@ -121,7 +122,7 @@ def generate(
         for key, target in model.canonical_parameters().items():
             target.copy_(canonical[key])
     model.eval()
-    tokenizer = load_tokenizer(training_tokenizer(checkpoint) or default_tokenizer_path())
+    tokenizer = load_tokenizer(tokenizer_path)
     ids = encode_prompt(tokenizer.tokenizer, prompt)
     if not ids:
         ids = [tokenizer.eos_id]  # start a fresh document
