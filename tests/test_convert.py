@@ -291,6 +291,19 @@ def test_a_checkpoint_whose_corpus_tokenizer_is_not_found_is_an_error_not_anothe
     assert not (tmp_path / "back").exists()
 
 
+def test_generate_with_a_tokenizer_larger_than_the_model_names_the_token_and_tokenizer(
+    tmp_path, mt_checkpoint, capsys
+):
+    checkpoint = tmp_path / "model_only"
+    shutil.copytree(mt_checkpoint, checkpoint)
+    (checkpoint / "tokenizer.json").unlink()  # mt-data's default: more than 512 tokens
+    argv = ["generate", "--checkpoint", str(checkpoint), "--prompt", "def hello_world():"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "is outside the model's vocabulary (vocab_size 512)" in err, err
+    assert f"copy the model's tokenizer.json into {checkpoint}" in err
+
+
 def test_an_out_under_a_file_is_a_one_line_error_naming_it(tmp_path, mt_checkpoint, capsys):
     (tmp_path / "a_file").write_text("")
     out = tmp_path / "a_file" / "out"

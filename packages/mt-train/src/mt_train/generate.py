@@ -126,6 +126,14 @@ def generate(
     ids = encode_prompt(tokenizer.tokenizer, prompt)
     if not ids:
         ids = [tokenizer.eos_id]  # start a fresh document
+    outside = [i for i in ids if i >= model_config.vocab_size]
+    if outside:
+        raise ValueError(
+            f"the prompt's token {outside[0]} ({tokenizer.tokenizer.id_to_token(outside[0])!r}) "
+            f"is outside the model's vocabulary (vocab_size {model_config.vocab_size}): the "
+            f"tokenizer {tokenizer_path} ({tokenizer.vocab_size} tokens) is not the model's; "
+            f"copy the model's tokenizer.json into {checkpoint}"
+        )
     generator = torch.Generator().manual_seed(seed)
     new = []
     with torch.no_grad():
