@@ -4,7 +4,8 @@ One process on CPU or one GPU, no KV cache: each new token re-runs the model on 
 whole sequence (fine for looking at a checkpoint, not for serving). The tokenizer is the
 checkpoint directory's ``tokenizer.json``, else the one named by the run's corpus
 manifest (``data.path``; an error when it cannot be found), else mt-data's default
-tokenizer. Special tokens written in the prompt (a chat template's) are encoded as their ids, as Hugging Face tokenizers do.
+tokenizer. Special tokens written in the prompt (a chat template's) are encoded as their
+ids, as Hugging Face tokenizers do.
 """
 
 from __future__ import annotations
