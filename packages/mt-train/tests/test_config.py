@@ -59,6 +59,10 @@ def test_bad_values_fail_validation_with_the_rule():
     with pytest.raises(ValueError, match=r"data.document_masking needs parallel.cp=1 \(got 2\)"):
         overrides = ["data.document_masking=true", "parallel.cp=2"]
         resolve_config(get_recipe("debug"), overrides=overrides)
+    with pytest.raises(ValueError, match=r"profile.trace_steps \('10,12'\) starts after "
+                       r"training.max_steps \(5\), so no step would be traced"):
+        overrides = ["profile.trace_steps=10,12", "training.max_steps=5"]
+        resolve_config(get_recipe("debug"), overrides=overrides)
 
 
 def test_toml_file_adjusts_the_recipe_and_command_line_wins(tmp_path):

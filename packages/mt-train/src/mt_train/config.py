@@ -366,6 +366,15 @@ class JobConfig:
             raise ValueError(f"log_every ({self.log_every}) must be >= 1")
         if self.seed < 0:  # numpy's shuffle takes no negative seed
             raise ValueError(f"seed ({self.seed}) must be >= 0")
+        from mt_train.profiling import parse_trace_steps
+
+        trace_steps = parse_trace_steps(self.profile.trace_steps)
+        if trace_steps is not None and trace_steps[0] > self.training.max_steps:
+            raise ValueError(
+                f"profile.trace_steps ({self.profile.trace_steps!r}) starts after "
+                f"training.max_steps ({self.training.max_steps}), so no step would be traced; "
+                f"choose steps from 1 to {self.training.max_steps}"
+            )
         if self.data.document_masking and self.parallel.cp > 1:
             raise ValueError(
                 f"data.document_masking needs parallel.cp=1 (got {self.parallel.cp}): the "
