@@ -67,13 +67,19 @@ class StepProfiler:
         if memory_snapshot and not self.memory:
             log.warning("profile.memory_snapshot needs CUDA; no snapshot on this device")
         self._profiler = None
+        self._traced: list[int] = []  # the steps the running trace holds
         if self.memory:
             torch.cuda.memory._record_memory_history(max_entries=_MEMORY_MAX_ENTRIES)
 
     @contextlib.contextmanager
     def step(self, step: int):
-        """Profiles one step (numbered from 1) as configured."""
-        if self.trace_steps and step == self.trace_steps[0]:
+        """Profiles one step (numbered from 1) as configured.
+
+        The trace starts at the first step of its range that runs: a run resumed inside
+        the range traces the rest of it.
+        """
+        first, last = self.trace_steps or (0, -1)
+        if self._profiler is None and not self._traced and first <= step <= last:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if torch.cuda.is_available():
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -84,13 +90,17 @@ class StepProfiler:
         nvtx = torch.cuda.nvtx.range(f"step {step}") if self.nvtx else contextlib.nullcontext()
         with nvtx:
             yield
-        if self._profiler is not None and step == self.trace_steps[1]:
-            self._finish_trace()
+        if self._profiler is not None:
+            self._traced.append(step)
+            if step == last:
+                self._finish_trace()
 
     def _finish_trace(self) -> None:
         self._profiler.__exit__(None, None, None)
         self.dir.mkdir(parents=True, exist_ok=True)
-        first, last = self.trace_steps
+        # The steps traced: fewer than asked when the run resumed inside the range or ended
+        # before its end.
+        first, last = (self._traced[0], self._traced[-1]) if self._traced else self.trace_steps
         path = self.dir / f"trace_rank{self.rank}_steps{first}-{last}.json"
         self._profiler.export_chrome_trace(str(path))
         self._profiler = None

@@ -1,0 +1,24 @@
+"""StepProfiler: which steps a trace holds and how its file is named."""
+
+import json
+
+from mt_train.profiling import StepProfiler
+
+
+def _run_steps(profiler, steps):
+    for step in steps:
+        with profiler.step(step):
+            pass
+    profiler.close()
+
+
+def test_a_run_resumed_inside_the_trace_range_traces_the_rest_of_it(tmp_path):
+    _run_steps(StepProfiler(tmp_path, 0, (2, 4), False, False), range(3, 7))
+    traces = [p.name for p in (tmp_path / "profile").iterdir()]
+    assert traces == ["trace_rank0_steps3-4.json"]
+    assert "traceEvents" in json.loads((tmp_path / "profile" / traces[0]).read_text())
+
+
+def test_a_trace_cut_short_by_the_end_of_the_run_names_the_steps_it_holds(tmp_path):
+    _run_steps(StepProfiler(tmp_path, 1, (2, 9), False, False), range(1, 4))
+    assert [p.name for p in (tmp_path / "profile").iterdir()] == ["trace_rank1_steps2-3.json"]
