@@ -78,11 +78,12 @@ def test_tensorboard_gets_every_numeric_metric_and_the_profiler_traces_the_steps
 ):
     import types
 
-    written = []
+    written, purge_steps = [], []
 
     class FakeWriter:  # stands in for torch.utils.tensorboard.SummaryWriter
-        def __init__(self, log_dir):
+        def __init__(self, log_dir, purge_step=None):
             self.log_dir = log_dir
+            purge_steps.append(purge_step)
 
         def add_scalar(self, key, value, step):
             written.append((step, key, value))
@@ -94,7 +95,12 @@ def test_tensorboard_gets_every_numeric_metric_and_the_profiler_traces_the_steps
     fake.SummaryWriter = FakeWriter
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake)
     pretrain(_cfg(tmp_path, "training.max_steps=3", "metrics.tensorboard=true",
-                  "profile.trace_steps=2,3"))
+                  "profile.trace_steps=2,3", "checkpoint.interval=2"))
+    # Without the final checkpoint a rerun resumes at step 2 and redoes step 3: TensorBoard
+    # purges the first run's events from step 3 on, as metrics.jsonl drops its lines.
+    shutil.rmtree(tmp_path / "checkpoints" / "step_00000003")
+    pretrain(_cfg(tmp_path, "training.max_steps=3", "metrics.tensorboard=true"))
+    assert purge_steps == [1, 3]
     rows = _metrics(tmp_path)
     assert written[-1] == "closed"
     for row in rows:

@@ -139,9 +139,14 @@ def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
 
 
 class TensorBoardSink:
-    """Writes every numeric metric as a scalar under ``<run_dir>/tensorboard``."""
+    """Writes every numeric metric as a scalar under ``<run_dir>/tensorboard``.
 
-    def __init__(self, run_dir: str | Path):
+    Events of steps after `start_step`, left by an interrupted earlier invocation, are
+    purged (as ``metrics.jsonl`` drops their lines), so the resumed run's steps are not
+    drawn twice.
+    """
+
+    def __init__(self, run_dir: str | Path, start_step: int = 0):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as err:
@@ -149,7 +154,9 @@ class TensorBoardSink:
                 "metrics.tensorboard=true needs the tensorboard package; "
                 "pip install 'mt-train[tensorboard]' or set metrics.tensorboard=false"
             ) from err
-        self._writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+        self._writer = SummaryWriter(
+            log_dir=str(Path(run_dir) / "tensorboard"), purge_step=start_step + 1
+        )
 
     def log(self, metrics: dict[str, Any]) -> None:
         """Adds one step's scalars."""
@@ -209,7 +216,11 @@ def _wandb_run_id(run_dir: str | Path) -> str:
 
 
 def build_sinks(
-    run_dir: str | Path, tensorboard: bool, wandb_project: str, config: dict[str, Any]
+    run_dir: str | Path,
+    tensorboard: bool,
+    wandb_project: str,
+    config: dict[str, Any],
+    start_step: int = 0,
 ) -> list[Any]:
     """Returns the optional metric writers a run asked for.
 
@@ -218,13 +229,14 @@ def build_sinks(
         tensorboard: write TensorBoard event files.
         wandb_project: a Weights & Biases project, or "" for none.
         config: the resolved config, recorded by W&B.
+        start_step: the step the run (re)starts from.
 
     Returns:
         The sinks, for `MetricsLogger(sinks=...)`.
     """
     sinks: list[Any] = []
     if tensorboard:
-        sinks.append(TensorBoardSink(run_dir))
+        sinks.append(TensorBoardSink(run_dir, start_step))
     if wandb_project:
         sinks.append(WandbSink(wandb_project, run_dir, config))
     return sinks

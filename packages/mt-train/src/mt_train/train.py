@@ -555,8 +555,9 @@ def pretrain(cfg: JobConfig, *, stream: TextIO | None = None) -> TrainState:
     metrics = None
     if state.env.is_main:
         sinks = build_sinks(
-            cfg.run_dir, cfg.metrics.tensorboard, cfg.metrics.wandb_project, cfg.to_dict()
-        )
+            cfg.run_dir, cfg.metrics.tensorboard, cfg.metrics.wandb_project, cfg.to_dict(),
+            state.step,
+        )  # fmt: skip
         metrics = MetricsLogger(cfg.run_dir, max_steps, state.step, cfg.log_every, stream, sinks)
     last_saved = state.step
     prof = cfg.profile
