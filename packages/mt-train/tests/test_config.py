@@ -125,6 +125,21 @@ def test_a_list_of_strings_takes_comma_separated_words():
         resolve_config(get_recipe("debug"), overrides=["model.mlp_only_layers=0,x"])
 
 
+def test_list_items_of_another_type_are_refused_naming_the_item(tmp_path):
+    for text, item in (("[1.5]", "1.5 has type float"), ("[true]", "True has type bool"),
+                       ('["x"]', "'x' has type str")):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"model.mlp_only_layers='.*: item {item}, "
+                           "expected int"):  # fmt: skip
+            resolve_config(get_recipe("debug"), overrides=[f"model.mlp_only_layers={text}"])
+    with pytest.raises(ValueError, match="item 1 has type int, expected str"):
+        resolve_config(get_recipe("debug-gpt-oss"), overrides=["model.layer_types=[1,2]"])
+    path = tmp_path / "c.toml"
+    path.write_text('[model]\nmlp_only_layers = ["a"]\n')
+    with pytest.raises(ValueError, match=r"c.toml: model.mlp_only_layers = \['a'\]: item 'a' "
+                       "has type str, expected int"):  # fmt: skip
+        resolve_config(get_recipe("debug"), toml_path=path)
+
+
 def test_a_dict_field_the_recipe_sets_can_be_replaced_whole_or_set_to_null():
     # GPT-OSS's rope_scaling is YaRN in the recipe: its leaves are keys, and so is the field.
     linear = {"rope_type": "linear", "factor": 2.0}

@@ -113,7 +113,7 @@ def _as_declared(value: Any, declared: Any) -> Any:
     if float in allowed and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if any(isinstance(value, t) and not (isinstance(value, bool) and t is int) for t in allowed):
-        return value
+        return _typed_items(value, [], declared) if isinstance(value, list) else value
     expected = _declared_name(declared)
     raise ValueError(f"{value!r} has type {type(value).__name__}, expected {expected}")
 
@@ -129,6 +129,28 @@ def _element_type(current: list | tuple, declared: Any) -> Any:
                 return args[0]
     kinds = {type(item) for item in current}
     return kinds.pop() if len(kinds) == 1 else None
+
+
+def _typed_items(items: list, current: list | tuple, declared: Any) -> list:
+    """The items of a value given for a list field, checked against its item type
+    (`_element_type`); an int in a list of floats becomes a float.
+
+    Raises:
+        ValueError: an item has another type (a bool is no int).
+    """
+    kind = _element_type(current, declared)
+    if kind not in (int, float, str, bool):
+        return list(items)  # unknown: unchecked
+    checked = []
+    for item in items:
+        if kind is float and isinstance(item, int) and not isinstance(item, bool):
+            item = float(item)
+        if not isinstance(item, kind) or (kind is int and isinstance(item, bool)):
+            raise ValueError(
+                f"item {item!r} has type {type(item).__name__}, expected {kind.__name__}"
+            )
+        checked.append(item)
+    return checked
 
 
 def parse_value(text: str, current: Any, key: str, declared: Any = Any) -> Any:
@@ -171,7 +193,7 @@ def parse_value(text: str, current: Any, key: str, declared: Any = Any) -> Any:
                     p.strip() if words and not p.strip().startswith('"') else json.loads(p)
                     for p in stripped.split(",") if p.strip()
                 ]  # fmt: skip
-            return type(current)(parsed)
+            return type(current)(_typed_items(parsed, current, declared))
         if current is None or isinstance(current, dict):
             try:
                 parsed = json.loads(text)
@@ -221,6 +243,11 @@ def _merge_toml(
                 f"{path}: {key} = {value!r} has type {type(value).__name__}, "
                 f"expected {type(current).__name__} (like {current!r})"
             )
+        if isinstance(current, (list, tuple)):
+            try:
+                value = _typed_items(value, current, declared.get(key, Any))
+            except ValueError as err:
+                raise ValueError(f"{path}: {key} = {value!r}: {err}") from None
         _set(data, key, value)
 
 
