@@ -1,6 +1,7 @@
 """Recipes, TOML files and key=value overrides resolve to one validated config."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -217,6 +218,14 @@ def test_a_run_dir_that_is_a_file_is_a_one_line_error(tmp_path, capsys):
         assert main(["pretrain", "tiny", f"run_dir={run_dir}", "training.max_steps=1"]) == 2
         err = capsys.readouterr().err
         assert f"run_dir ({str(run_dir)!r}) {rule}" in err and "Traceback" not in err
+
+
+def test_a_run_dir_and_init_from_starting_with_a_tilde_are_under_the_home_directory(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('run_dir = "~/runs/r"\ninit_from = "~/hf"\n')
+    cfg = resolve_config(get_recipe("tiny"), toml_path=path)
+    assert cfg.run_dir == os.path.join(os.path.expanduser("~"), "runs", "r")
+    assert cfg.init_from == os.path.join(os.path.expanduser("~"), "hf")
 
 
 def test_a_validation_path_without_an_interval_is_an_error_naming_both_keys(capsys):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -325,7 +326,8 @@ class JobConfig:
     Attributes:
         model: a model-family config (for example `mt_models.Qwen3MoeConfig`).
         run_dir: where metrics, checkpoints and the resolved config go; not empty (use
-            "." for the current directory).
+            "." for the current directory). A leading ``~`` is the home directory here and
+            in `init_from` (no shell expands it in a TOML file).
         seed: seeds weight initialization and data shuffling.
         log_every: print a console line every this many steps.
         init_from: start a new run from these weights: a Hugging Face directory
@@ -351,6 +353,9 @@ class JobConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
 
     def __post_init__(self) -> None:
+        # Not a directory named "~" in the current one (`rm -rf ~` would then clean it up).
+        self.run_dir = os.path.expanduser(self.run_dir)
+        self.init_from = os.path.expanduser(self.init_from)
         if family_of(self.model) is None:
             raise ValueError(
                 f"model ({type(self.model).__name__}) is not a known model family config; "
