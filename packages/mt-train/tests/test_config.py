@@ -30,6 +30,15 @@ def test_overrides_parse_values_by_the_type_they_replace():
     assert list(cfg.model.mlp_only_layers) == [0, 2]
 
 
+def test_the_model_family_cannot_be_overridden_and_the_error_says_so(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('model_family = "gpt_oss"\n')
+    for kwargs in ({"overrides": ["model_family=gpt_oss"]}, {"toml_path": path}):
+        with pytest.raises(ValueError, match="^model_family cannot be set .*start from a recipe "
+                           "of the family you want"):  # fmt: skip
+            resolve_config(get_recipe("debug"), **kwargs)
+
+
 def test_unknown_key_fails_with_the_closest_valid_key():
     with pytest.raises(ValueError, match=r"did you mean 'training.max_steps'"):
         resolve_config(get_recipe("debug"), overrides=["training.max_step=3"])

@@ -48,6 +48,11 @@ def flatten(
 
 
 def _unknown_key_error(key: str, known: list[str], where: str) -> ValueError:
+    if key in _FIXED_KEYS:
+        return ValueError(
+            f"{key} cannot be set (in {where}): the recipe fixes the model family; start "
+            "from a recipe of the family you want (mt-train pretrain --help lists them)"
+        )
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
     if not close:  # match on the last component alone ("max_step" -> training.max_steps)
         by_leaf = {k.rsplit(".", 1)[-1]: k for k in known}
