@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -122,6 +123,16 @@ def _plant_nan_at(monkeypatch, bad_step):
         return real_clip(params, max_norm, group)
 
     monkeypatch.setattr(train_module, "clip_grad_norm", clip_with_a_nan_gradient)
+
+
+def test_pretrain_runs_in_a_worker_thread_where_no_signal_handler_can_be_set(tmp_path):
+    results = []
+    worker = threading.Thread(
+        target=lambda: results.append(pretrain(_cfg(tmp_path, "training.max_steps=1")).step)
+    )
+    worker.start()
+    worker.join()
+    assert results == [1] and _steps(tmp_path) == [1]
 
 
 def test_a_nan_gradient_is_skipped_and_counted_and_the_weights_stay_finite(tmp_path, monkeypatch):

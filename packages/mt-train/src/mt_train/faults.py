@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import signal
+import threading
 from pathlib import Path
 
 import torch
@@ -42,6 +43,8 @@ def stop_on_signals(state):
     once. Under torchrun a worker often gets a signal twice (from the terminal or
     scheduler, then forwarded by the agent), so repeats are ignored there: the agent
     SIGKILLs after its grace period anyway. The previous handlers come back on exit.
+    Outside the main thread (`pretrain` called from a worker thread), where Python allows
+    no handlers, signals keep their current handling.
 
     Args:
         state: the loop state (`mt_train.train.TrainState`).
@@ -57,6 +60,9 @@ def stop_on_signals(state):
         log.warning("received %s; saving a checkpoint after this step",
                     signal.Signals(signum).name)
 
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     previous = {sig: signal.signal(sig, request_stop) for sig in STOP_SIGNALS}
     try:
         yield
