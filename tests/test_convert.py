@@ -411,6 +411,23 @@ def test_init_from_a_source_with_another_rope_theta_and_norm_topk_prob_warns_nam
     assert "router_aux_loss_coef" not in warning and "max_position" not in warning
 
 
+def test_the_overrides_an_init_from_warning_suggests_can_be_pasted_into_a_shell(tmp_path, caplog):
+    import logging
+    import re
+    import shlex
+
+    cfg = resolve_config(get_recipe("tiny"))
+    scaling = {"rope_type": "linear", "factor": 2.0}
+    changed = dataclasses.replace(cfg.model, rope_theta=1e6, rope_scaling=scaling)
+    _write_hf(changed, tmp_path / "hf", torch.float32)
+    overrides = [f"run_dir={tmp_path / 'run'}", f"init_from={tmp_path / 'hf'}"]
+    with caplog.at_level(logging.WARNING, logger="mt_train"):
+        setup(resolve_config(get_recipe("tiny"), overrides=overrides))
+    suggested = re.search(r"\(to match it, override (.*)\):", caplog.text).group(1)
+    matched = resolve_config(get_recipe("tiny"), overrides=shlex.split(suggested))
+    assert matched.model.rope_scaling == scaling and matched.model.rope_theta == 1e6
+
+
 def test_init_from_a_gpt_oss_saved_without_a_window_reports_no_config_difference(tmp_path):
     # save_hf writes every layer "full_attention" and a window (transformers fails on a null
     # one): the source's config reads back otherwise, with the same window in every layer.

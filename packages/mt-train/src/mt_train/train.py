@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import resource
+import shlex
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -229,12 +230,18 @@ def setup(cfg: JobConfig) -> TrainState:
                 "the model config differs from init_from %s; this run's config wins, so the "
                 "model is not the source's (to match it, override %s): %s",
                 cfg.init_from,
-                " ".join(f"model.{k}={json.dumps(v[0])}" for k, v in differences.items()),
+                " ".join(_shell_override(f"model.{k}", v[0]) for k, v in differences.items()),
                 ", ".join(f"{k}: {v[0]!r} -> {v[1]!r}" for k, v in differences.items()),
             )
     if env.is_main:
         _write_json_atomic(run_dir / "config.json", cfg.to_dict())
     return state
+
+
+def _shell_override(key: str, value: Any) -> str:
+    """``key=value`` as a shell word a user can paste: JSON without spaces, quoted when the
+    shell would split it or strip its quotes (a list or dict value)."""
+    return shlex.quote(f"{key}={json.dumps(value, separators=(',', ':'))}")
 
 
 def _warn_if_all_warmup(cfg: JobConfig) -> None:
