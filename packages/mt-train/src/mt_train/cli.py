@@ -26,7 +26,7 @@ recipes:
 overrides use dotted keys, e.g.:
   mt-train pretrain debug training.max_steps=20 run_dir=runs/r
   mt-train pretrain --config my.toml training.lr=1e-3
-  mt-train pretrain debug precision.fp8=true     # FP8 GEMMs (needs compute capability 8.9+)
+  mt-train pretrain debug precision.fp8=true  # FP8 GEMMs: GPUs of capability 8.9+, CPU emulates
 --print-config shows every key with its value. A run resumes from the newest complete
 checkpoint in its run_dir; a changed config wins over the saved one.
 """
