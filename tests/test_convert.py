@@ -289,6 +289,12 @@ def test_a_checkpoint_whose_corpus_tokenizer_is_not_found_is_an_error_not_anothe
             in err, err
         assert f"copy the tokenizer.json the model was trained with into {checkpoint}" in err
     assert not (tmp_path / "back").exists()
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "manifest.json").write_text("{}")
+    state["config"]["data"] = {"path": str(tmp_path / "corpus")}
+    (checkpoint / "train_state.json").write_text(json.dumps(state))
+    with pytest.raises(ValueError, match=r"corpus/manifest.json names no tokenizer \(seen"):
+        convert.training_tokenizer(checkpoint)
 
 
 def test_generate_with_a_tokenizer_larger_than_the_model_names_the_token_and_tokenizer(

@@ -118,11 +118,16 @@ def training_tokenizer(checkpoint: str | Path) -> Path | None:
     named = json.loads(manifest.read_text()).get("tokenizer") if manifest.is_file() else None
     if named and Path(named).is_file():
         return Path(named)
-    missing = f"the tokenizer {named} it names" if named else manifest
+    if not manifest.is_file():
+        missing = f"{manifest} is not there"
+    elif not named:
+        missing = f"{manifest} names no tokenizer"
+    else:
+        missing = f"the tokenizer {named} it names is not there"
     raise ValueError(
         f"checkpoint {checkpoint} was trained on the corpus in {data['path']}, but "
-        f"{missing} is not there (from {os.getcwd()}); copy the tokenizer.json the model "
-        f"was trained with into {checkpoint}"
+        f"{missing} (seen from {os.getcwd()}); copy the tokenizer.json the model was "
+        f"trained with into {checkpoint}"
     )
 
 
