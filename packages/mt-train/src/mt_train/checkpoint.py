@@ -37,7 +37,6 @@ from torch import nn
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _STATE_FILE = "train_state.json"
-_RUN_STATE_KEYS = ("step", "data", "config")  # what resuming reads from _STATE_FILE
 # DCP warns that it runs without a process group in one process, which is what we want;
 # a filter here (not catch_warnings) also covers the background writer's thread.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -79,12 +78,17 @@ class Checkpoint:
     path: Path
     step: int
 
-    def train_state(self) -> dict[str, Any]:
-        """Returns the JSON part: step, data-loader state and resolved config."""
+    def train_state(self, needed: tuple[str, ...] = ("step",)) -> dict[str, Any]:
+        """Returns the JSON part: step and what the trainer saved (data-loader state,
+        resolved config, ...).
+
+        Args:
+            needed: keys it must hold (else the checkpoint is damaged: a ValueError).
+        """
         fix = damaged_run_checkpoint_fix(self.path)
         with reading_checkpoint(self.path, fix):
             state = json.loads((self.path / _STATE_FILE).read_text())
-        missing = [k for k in _RUN_STATE_KEYS if not isinstance(state, dict) or k not in state]
+        missing = [k for k in needed if not isinstance(state, dict) or k not in state]
         if missing:
             raise ValueError(
                 f"checkpoint {self.path} cannot be read, it is damaged or incomplete (its "

@@ -272,7 +272,8 @@ def _log_default_corpus_build(path: Path) -> None:
 
 def _resume(state: TrainState, checkpoint) -> None:
     # The data loader first: a changed data.* fails before minutes of loading tensors.
-    data_state = checkpoint.train_state()["data"]  # a damaged file raises naming it
+    # A damaged file raises naming it.
+    data_state = checkpoint.train_state(needed=("step", "data", "config"))["data"]
     try:
         state.dataset.load_state_dict(data_state)
     except ValueError as e:
