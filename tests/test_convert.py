@@ -270,6 +270,25 @@ def test_a_checkpoint_whose_model_config_this_version_cannot_build_is_a_one_line
     assert not (tmp_path / "back").exists()
 
 
+def test_a_checkpoint_of_a_newer_format_version_is_refused_by_convert_and_generate(
+    tmp_path, mt_checkpoint, capsys
+):
+    checkpoint = tmp_path / "newer"
+    shutil.copytree(mt_checkpoint, checkpoint)
+    state = json.loads((checkpoint / "train_state.json").read_text())
+    state["format_version"] += 1
+    (checkpoint / "train_state.json").write_text(json.dumps(state))
+    for argv in (
+        ["convert", "mt-to-hf", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "back")],
+        ["generate", "--checkpoint", str(checkpoint), "--prompt", "x"],
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"checkpoint {checkpoint} has format version {state['format_version']}" in err
+        assert "upgrade moetrain" in err and "Traceback" not in err
+    assert not (tmp_path / "back").exists()
+
+
 def test_a_checkpoint_whose_corpus_tokenizer_is_not_found_is_an_error_not_another_tokenizer(
     tmp_path, mt_checkpoint, capsys
 ):

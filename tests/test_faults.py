@@ -5,6 +5,7 @@ injection knob reaches the user-facing config.
 """
 
 import errno
+import json
 import math
 import os
 import re
@@ -473,3 +474,28 @@ def test_a_crash_while_an_old_checkpoint_is_deleted_leaves_no_partial_step_dir(
     # What is left is not a checkpoint: resuming never picks up a step with shards missing.
     assert list_checkpoints(root) == []
     assert [p.name for p in root.iterdir()] == [".old-step_00000001"]
+
+
+def test_a_checkpoint_of_a_newer_or_unknown_format_version_is_refused_naming_it(tmp_path):
+    step = tmp_path / "step_00000002"
+    step.mkdir()
+    checkpoint = checkpoint_module.Checkpoint(path=step, step=2)
+    state = {"step": 2, "data": {}, "config": {}}
+    current = checkpoint_module.FORMAT_VERSION
+    for version in (current + 1, current + 7):
+        (step / "train_state.json").write_text(json.dumps({**state, "format_version": version}))
+        with pytest.raises(ValueError, match=rf"checkpoint {re.escape(str(step))} has format "
+                           rf"version {version}, newer than .* \({current}\); read it with the "
+                           r"moetrain version that wrote it, or upgrade moetrain"):  # fmt: skip
+            checkpoint.train_state()
+    for version in (None, "1", 1.0, True, 0):
+        with_version = state if version is None else {**state, "format_version": version}
+        (step / "train_state.json").write_text(json.dumps(with_version))
+        shown = re.escape(repr(version))
+        with pytest.raises(ValueError, match=rf"checkpoint {re.escape(str(step))} cannot be "
+                           rf"read: its train_state.json has format_version {shown}, not a "
+                           r"version .* move step_00000002 out of"):  # fmt: skip
+            checkpoint.train_state()
+    for version in range(1, current + 1):  # every version this code wrote still loads
+        (step / "train_state.json").write_text(json.dumps({**state, "format_version": version}))
+        assert checkpoint.train_state()["format_version"] == version

@@ -94,7 +94,34 @@ class Checkpoint:
                 f"checkpoint {self.path} cannot be read, it is damaged or incomplete (its "
                 f"{_STATE_FILE} lacks {missing}); {fix}"
             )
+        check_format_version(self.path, state, fix)
         return state
+
+
+def check_format_version(path: Path, state: dict[str, Any], fix: str) -> None:
+    """Raises a ValueError naming the checkpoint unless this code reads its format.
+
+    Versions 1 to `FORMAT_VERSION` are read; a newer one was written by a newer moetrain
+    whose files may mean something else, so it is refused rather than misread.
+
+    Args:
+        path: the checkpoint directory.
+        state: its parsed ``train_state.json``.
+        fix: what to do about a file without a usable version (a damaged one).
+    """
+    version = state.get("format_version") if isinstance(state, dict) else None
+    if type(version) is not int or version < 1:  # bool is an int, but not a version
+        raise ValueError(
+            f"checkpoint {path} cannot be read: its {_STATE_FILE} has format_version "
+            f"{version!r}, not a version number from 1 to {FORMAT_VERSION} (a damaged file, "
+            f"or one not written by moetrain); {fix}"
+        )
+    if version > FORMAT_VERSION:
+        raise ValueError(
+            f"checkpoint {path} has format version {version}, newer than the newest this "
+            f"moetrain reads ({FORMAT_VERSION}); read it with the moetrain version that "
+            "wrote it, or upgrade moetrain"
+        )
 
 
 def damaged_run_checkpoint_fix(path: Path) -> str:

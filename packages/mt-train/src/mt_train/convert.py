@@ -33,7 +33,12 @@ from mt_data.tokenizer import load_tokenizer
 from mt_models import MODEL_FAMILIES, GptOssConfig, load_hf, load_hf_into, save_hf_tensors
 from mt_models.configs import TRAINING_ONLY_FIELDS
 from mt_models.hf_config import config_from_hf
-from mt_train.checkpoint import FORMAT_VERSION, load_model_weights, reading_checkpoint
+from mt_train.checkpoint import (
+    FORMAT_VERSION,
+    check_format_version,
+    load_model_weights,
+    reading_checkpoint,
+)
 
 # Files next to the weights that travel with a conversion when present.
 TOKENIZER_FILES = (
@@ -230,6 +235,7 @@ def _mt_checkpoint_config(path: Path) -> Any:
         )
     with reading_checkpoint(path, _OTHER_CHECKPOINT):
         state = json.loads((path / _STATE_FILE).read_text())
+    check_format_version(path, state, _OTHER_CHECKPOINT)
     try:
         saved = state["config"]
         return MODEL_FAMILIES[saved["model_family"]][0](**saved["model"])
