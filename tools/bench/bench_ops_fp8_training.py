@@ -196,7 +196,8 @@ def report(curves: dict[str, list[float]], base: str = "bf16", judged: str = "fp
 def read_run(run_dir: str) -> list[float]:
     """Per-step losses of an ``mt-train pretrain`` run directory (its metrics.jsonl)."""
     rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    by_step = {row["step"]: row["loss"] for row in rows}  # a resumed run rewrites steps
+    # A resumed run rewrites steps; a skipped step's non-finite loss is written as null.
+    by_step = {row["step"]: math.nan if row["loss"] is None else row["loss"] for row in rows}
     return [by_step[s] for s in sorted(by_step)]
 
 

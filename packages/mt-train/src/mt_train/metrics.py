@@ -5,11 +5,17 @@ Peak FLOP/s used for MFU: the measured dense BF16 matmul rate of an H200 (794 TF
 ARCHITECTURE.md §8) and the vendor's spec (989 TFLOP/s for the SXM parts H100 and H200);
 the PCIe and NVL parts have lower specs and no measured rate here (``mfu`` is then left
 out, ``mfu_spec`` kept). No MFU is reported on CPU.
+
+``metrics.jsonl`` is strict JSON, one object per line: a number that is not finite (the
+loss or gradient norm of a step skipped with ``training.on_nonfinite=skip``) is written
+as ``null``, since JSON has no NaN or Infinity and jq or ``JSON.parse`` refuse them;
+``skipped_steps`` counts the steps skipped so far.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import sys
@@ -90,7 +96,7 @@ class MetricsLogger:
 
     def log(self, metrics: dict[str, Any]) -> None:
         """Records one step's metrics (must contain `step`)."""
-        self._file.write(json.dumps(metrics) + "\n")
+        self._file.write(json.dumps(_finite_or_none(metrics), allow_nan=False) + "\n")
         self._file.flush()
         for sink in self.sinks:
             sink.log(metrics)
@@ -129,6 +135,17 @@ class MetricsLogger:
         self._file.close()
         for sink in self.sinks:
             sink.close()
+
+
+def _finite_or_none(value: Any) -> Any:
+    """`value` with every non-finite float (in dicts and lists too) replaced by None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_none(v) for v in value]
+    return value
 
 
 def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
