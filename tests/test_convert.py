@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -361,6 +362,25 @@ def test_parse_size_reads_decimal_and_binary_units():
     assert parse_size("1000") == 1000
     with pytest.raises(ValueError, match="--max-shard-size"):
         parse_size("five gigs")
+
+
+def test_a_max_shard_size_below_one_byte_is_refused_not_one_tensor_per_shard(
+    tmp_path, mt_checkpoint, capsys
+):
+    for text in ("0", "0GB", "0.4", "-5", "5 GBs"):
+        with pytest.raises(ValueError, match=rf"--max-shard-size \({re.escape(repr(text))}\)"):
+            parse_size(text)
+    argv = ["convert", "mt-to-hf", "--checkpoint", str(mt_checkpoint), "--out",
+            str(tmp_path / "back"), "--max-shard-size", "0"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--max-shard-size ('0') must be at least 1 byte" in err and "Traceback" not in err
+    with pytest.raises(ValueError, match=r"max_shard_size \(0\) must be a number of bytes >= 1"):
+        mt_to_hf(mt_checkpoint, tmp_path / "back", max_shard_size=0)
+    assert not (tmp_path / "back").exists()
+    with pytest.raises(SystemExit):
+        main(["convert", "mt-to-hf", "--help"])
+    assert "largest safetensors shard in bytes" in " ".join(capsys.readouterr().out.split())
 
 
 

@@ -548,6 +548,10 @@ def save_hf_tensors(
             f"max_shard_size ({max_shard_size!r}) must be a number of bytes (an int, e.g. "
             "5 * 2**30), not a size string like transformers' '5GB'"
         )
+    if max_shard_size < 1:  # 0 would put every tensor in a shard of its own
+        raise ValueError(
+            f"max_shard_size ({max_shard_size}) must be a number of bytes >= 1, e.g. 5 * 2**30"
+        )
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     _remove_earlier_weights(path)

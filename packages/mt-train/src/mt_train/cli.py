@@ -86,7 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-shard-size",
         default="5GB",
         metavar="SIZE",
-        help="largest safetensors shard, e.g. 5GB, 500MB, 2GiB (default 5GB)",
+        help="largest safetensors shard in bytes, or with a unit: KB, MB, GB, TB count in "
+        "powers of 10 (as Hugging Face does), KiB, MiB, GiB, TiB in powers of 2; e.g. 5GB "
+        "(10^9 bytes), 500MB, 2GiB (default 5GB)",
     )
     gen = sub.add_parser(
         "generate",

@@ -73,7 +73,10 @@ def parse_size(text: str) -> int:
     if not match:
         raise ValueError(f"--max-shard-size ({text!r}) must look like 5GB, 500MB or 2GiB")
     unit = (match.group(2) or "B").lower()
-    return int(float(match.group(1)) * _UNITS[unit])
+    size = int(float(match.group(1)) * _UNITS[unit])
+    if size < 1:  # 0 would put every tensor in a shard of its own
+        raise ValueError(f"--max-shard-size ({text!r}) must be at least 1 byte, e.g. 5GB")
+    return size
 
 
 def is_hf_dir(path: str | Path) -> bool:
