@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import zstandard
 
+import mt_data.build as build_module
 from mt_data import IndexedDataset, build_corpus
 from mt_data.build import CorpusError, build_documents
 from mt_data.cli import main
@@ -562,3 +563,29 @@ def test_a_tokenizer_json_that_truncates_or_pads_still_stores_whole_documents(tm
     expected = tokenizer.encode_documents(TEXTS_A)
     assert max(len(ids) for ids in expected) > 4
     assert [shard[i].tolist() for i in range(len(shard))] == expected
+
+
+def test_default_workers_follow_the_cgroup_cpu_quota_not_the_host_cores(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(128)), raising=False)
+    proc = tmp_path / "proc_self_cgroup"
+    proc.write_text("0::/docker/abc\n")
+    v2 = tmp_path / "v2"
+    (v2 / "docker" / "abc").mkdir(parents=True)
+    assert build_module.default_workers(v2) == 128  # no quota anywhere
+    (v2 / "docker" / "abc" / "cpu.max").write_text("max 100000\n")
+    (v2 / "cpu.max").write_text("150000 100000\n")  # 1.5 CPUs at the top: 2 workers
+    assert build_module.cgroup_cpu_quota(v2, proc) == 2
+    (v2 / "docker" / "abc" / "cpu.max").write_text("50000 100000\n")  # the tighter one wins
+    assert build_module.cgroup_cpu_quota(v2, proc) == 1
+    (v2 / "cpu.max").write_text("200000 100000\n")
+    (v2 / "docker" / "abc" / "cpu.max").unlink()
+    assert build_module.default_workers(v2) == 2  # this process's own /proc/self/cgroup
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert build_module.default_workers(v1) == 128
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("400000\n")
+    assert build_module.default_workers(v1) == 4
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert build_module.default_workers(v1) == 2  # fewer cores than the quota

@@ -73,9 +73,70 @@ class CorpusError(ValueError):
     """A bad input line under `on_error="fail"`; the message names file:line."""
 
 
-def default_workers() -> int:
-    """Worker processes used when none is given: the cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+def default_workers(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
+    """Worker processes used when none is given: the cores this process may run on, or
+    fewer when a CPU quota allows fewer (a container limited to 2 CPUs on a 128-core host
+    would otherwise start 128 workers of ~80 MiB each).
+
+    Args:
+        cgroup_root: where the cgroup file systems are mounted.
+    """
+    if hasattr(os, "sched_getaffinity"):
+        cores = len(os.sched_getaffinity(0))
+    else:
+        cores = os.cpu_count() or 1
+    quota = cgroup_cpu_quota(cgroup_root)
+    return max(1, min(cores, quota) if quota is not None else cores)
+
+
+def cgroup_cpu_quota(
+    cgroup_root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/proc/self/cgroup")
+) -> int | None:
+    """The CPUs this process's cgroup quota allows, rounded up; None when there is none.
+
+    cgroup v2: the smallest ``cpu.max`` (``"<quota> <period>"`` or ``"max <period>"``) of
+    this process's cgroup and its ancestors. cgroup v1: ``cpu.cfs_quota_us`` over
+    ``cpu.cfs_period_us`` of the ``cpu`` controller (-1 is no quota).
+
+    Args:
+        cgroup_root: where the cgroup file systems are mounted.
+        proc_cgroup: this process's cgroup membership (``/proc/self/cgroup``).
+    """
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        lines = []
+    v2_path = next((line[3:] for line in lines if line.startswith("0::")), "/")
+    limits = []
+    directory = cgroup_root / v2_path.lstrip("/")
+    for candidate in (directory, *directory.parents):
+        fields = _read_fields(candidate / "cpu.max")
+        if len(fields) == 2 and fields[0] != "max":
+            limits.append((fields[0], fields[1]))
+        if candidate == cgroup_root:
+            break
+    for v1 in (cgroup_root / "cpu", cgroup_root / "cpu,cpuacct"):
+        quota = _read_fields(v1 / "cpu.cfs_quota_us")
+        period = _read_fields(v1 / "cpu.cfs_period_us")
+        if len(quota) == 1 and len(period) == 1:
+            limits.append((quota[0], period[0]))
+            break
+    cpus = []
+    for quota, period in limits:
+        try:
+            quota_us, period_us = int(quota), int(period)
+        except ValueError:
+            continue
+        if quota_us > 0 and period_us > 0:  # v1 writes -1 for no quota
+            cpus.append(-(-quota_us // period_us))
+    return min(cpus) if cpus else None
+
+
+def _read_fields(path: Path) -> list[str]:
+    try:
+        return path.read_text().split()
+    except OSError:
+        return []
 
 
 @dataclass
@@ -337,7 +398,7 @@ def build_corpus(
         text_key: The JSON field (Parquet column) holding each document's text.
         on_error: "skip" counts bad lines and reports them with file:line; "fail"
             raises `CorpusError` at the first one, leaving that shard unwritten.
-        workers: Tokenizer worker processes; None uses every available core, 0 works in
+        workers: Tokenizer worker processes; None uses `default_workers()`, 0 works in
             this process (with the tokenizer's own threads). The output does not depend
             on it.
         eos_token: EOS token text, overriding tokenizer_config.json.

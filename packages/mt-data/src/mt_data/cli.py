@@ -75,7 +75,8 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="N",
-        help="tokenizer worker processes (default: one per core; 0: none, tokenize in-process)",
+        help="tokenizer worker processes (default: one per core this process may use, within "
+        "its cgroup CPU quota; 0: none, tokenize in-process)",
     )
     build.add_argument(
         "--eos-token",
