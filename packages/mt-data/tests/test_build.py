@@ -17,6 +17,7 @@ from mt_data import IndexedDataset, build_corpus
 from mt_data.build import CorpusError, build_documents
 from mt_data.cli import main
 from mt_data.default_corpus import default_tokenizer_path
+from mt_data.sources import input_kind
 from mt_data.tokenizer import load_tokenizer
 
 
@@ -589,3 +590,16 @@ def test_default_workers_follow_the_cgroup_cpu_quota_not_the_host_cores(tmp_path
     assert build_module.default_workers(v1) == 4
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     assert build_module.default_workers(v1) == 2  # fewer cores than the quota
+
+
+def test_upper_case_input_suffixes_are_read_and_lower_case_shard_names_stay_the_same(tmp_path):
+    write_jsonl(tmp_path / "in" / "a.JSONL", TEXTS_A)
+    (tmp_path / "in" / "b.jsonl.ZST").write_bytes(
+        zstandard.ZstdCompressor().compress(jsonl_bytes(TEXTS_B))
+    )
+    write_jsonl(tmp_path / "in" / "c.jsonl", TEXTS_B)
+    summary = _build([tmp_path / "in"], tmp_path / "out")
+    assert [s.name for s in summary.shards] == ["a", "b", "c"]
+    assert [len(IndexedDataset(tmp_path / "out" / n)) for n in "abc"] == [3, 2, 2]
+    assert input_kind("x.PARQUET") == "parquet"
+    assert input_kind("x.Jsonl.Zstd") == "jsonl"

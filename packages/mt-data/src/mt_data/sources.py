@@ -104,8 +104,9 @@ class ReadFailure:
 
 
 def input_kind(path: str | Path) -> str | None:
-    """`"jsonl"`, `"parquet"`, or None for an unsupported file name."""
-    name = Path(path).name
+    """`"jsonl"`, `"parquet"`, or None for an unsupported file name (suffixes in any case:
+    `a.JSONL`, `a.jsonl.ZST`, `a.PARQUET`)."""
+    name = Path(path).name.lower()
     if name.endswith(JSONL_SUFFIXES):
         return "jsonl"
     if name.endswith(PARQUET_SUFFIXES):
@@ -124,7 +125,7 @@ def input_stem(path: str | Path) -> str:
     """
     name = Path(path).name
     for suffix in sorted(INPUT_SUFFIXES, key=len, reverse=True):
-        if name.endswith(suffix):
+        if name.lower().endswith(suffix):
             return name[: -len(suffix)]
     return name
 
@@ -133,8 +134,8 @@ def resolve_inputs(inputs: Sequence[str | os.PathLike[str]]) -> list[Path]:
     """Expand files, directories and glob patterns into a list of input files.
 
     A directory contributes every `.jsonl`, `.jsonl.zst`, `.jsonl.zstd` and `.parquet`
-    file below it, sorted by path; a glob pattern contributes its sorted matches.
-    Duplicates are dropped; order is otherwise that of `inputs`.
+    file below it (suffixes in any case), sorted by path; a glob pattern contributes its
+    sorted matches. Duplicates are dropped; order is otherwise that of `inputs`.
 
     Args:
         inputs: Paths, directories or glob patterns (`data/*.jsonl.zst`, `data/**/*.jsonl`).
@@ -220,7 +221,7 @@ def _plain_chunks(raw, on_read) -> Iterator[bytes]:
 
 
 def _iter_jsonl_batches(path: Path) -> Iterator[RawBatch | ReadFailure]:
-    compressed = not path.name.endswith(".jsonl")
+    compressed = not path.name.lower().endswith(".jsonl")
     consumed = 0  # input (file) bytes read and not yet attributed to a batch
 
     def on_read(n: int) -> None:
