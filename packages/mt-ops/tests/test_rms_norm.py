@@ -48,6 +48,13 @@ def test_rms_norm_rejects_weight_of_wrong_size():
         rms_norm(torch.randn(2, 8), torch.ones(7))
 
 
+def test_rms_norm_and_reference_refuse_integer_and_bool_x_naming_the_dtype():
+    for dtype in (torch.int64, torch.int32, torch.uint8, torch.bool):
+        for norm in (rms_norm, rms_norm_reference):
+            with pytest.raises(ValueError, match=rf"x dtype \({dtype}\) must be a floating"):
+                norm(torch.ones(2, 8, dtype=dtype), torch.ones(8))
+
+
 # The kernel path on CPU tensors runs in Triton's interpreter, which mis-rounds casts to
 # bf16: a case with a bf16 input or weight is held to bf16's tolerance throughout.
 KERNEL_CASES = {

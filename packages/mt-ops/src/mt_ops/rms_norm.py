@@ -255,6 +255,11 @@ class _RMSNormFn(torch.autograd.Function):
 
 
 def _check(x: Tensor, weight: Tensor) -> None:
+    if not x.dtype.is_floating_point:  # an integer x would come back truncated to integers
+        raise ValueError(
+            f"x dtype ({x.dtype}) must be a floating-point type; convert it first, e.g. "
+            "x.float()"
+        )
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise ValueError(
             f"weight shape ({tuple(weight.shape)}) must be [D] with D = x.shape[-1] "
