@@ -404,6 +404,15 @@ def test_gpu_masks_without_sinks_match_reference_through_flex_and_sdpa(monkeypat
         assert float((got - expected).norm() / expected.norm()) <= 1e-2
 
 
+def test_a_window_that_is_not_an_int_is_refused_naming_it():
+    q, k, v = _qkv((1, 2, 1, 8, 16), torch.float32, seed=0)
+    for window in (2.5, 3.0, True):
+        for run in (attention, attention_reference):
+            with pytest.raises(ValueError, match=rf"window \({window!r}\) must be an int"):
+                run(q, k, v, window=window)
+    torch.testing.assert_close(attention(q, k, v, window=3), attention_reference(q, k, v, window=3))
+
+
 def test_unknown_mask_route_is_refused(monkeypatch):
     from mt_ops.attention import FLEX
 

@@ -90,6 +90,11 @@ def _check(q: Tensor, k: Tensor, v: Tensor, window: int | None, sinks: Tensor | 
             f"q heads ({num_q_heads}) must be a multiple of k/v heads ({num_kv_heads}); "
             "choose num_key_value_heads dividing num_attention_heads"
         )
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
+        # A float window would act as its ceiling (2.5 as 3) and True as 1.
+        raise ValueError(
+            f"window ({window!r}) must be an int number of keys or None for full attention"
+        )
     if window is not None and window < 1:
         raise ValueError(f"window ({window}) must be >= 1 or None for full attention")
     if sinks is not None and sinks.shape != (num_q_heads,):
