@@ -82,7 +82,9 @@ def _check(topk_ids_TK: Tensor, num_experts: int, num_ranks: int | None) -> None
         )
     if num_experts < 1:
         raise ValueError(f"num_experts ({num_experts}) must be >= 1")
-    if num_ranks is not None and (num_ranks < 1 or num_experts % num_ranks):
+    if num_ranks is not None and num_ranks < 1:
+        raise ValueError(f"num_ranks ({num_ranks}) must be >= 1 (None: no expert parallelism)")
+    if num_ranks is not None and num_experts % num_ranks:
         raise ValueError(
             f"num_ranks ({num_ranks}) must divide num_experts ({num_experts}); each EP rank "
             "owns an equal slice of experts"
