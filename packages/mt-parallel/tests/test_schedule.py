@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from mt_parallel import MicroBatch, run_microbatches
 
@@ -73,3 +74,33 @@ def test_zero_global_tokens_is_rejected():
 
     with pytest.raises(ValueError, match="global_num_tokens"):
         run_microbatches(_TinyLM(), [], 0)
+
+
+class _SyncRecordingLM(_TinyLM, FSDPModule):
+    """A _TinyLM that passes for an FSDP2 root and records its gradient-sync flag."""
+
+    def __new__(cls, *args, **kwargs):  # FSDPModule.__new__ builds the unwrapped class
+        return object.__new__(cls)
+
+    def __init__(self):
+        super().__init__()
+        self.syncs = True
+
+    def set_requires_gradient_sync(self, requires_gradient_sync, *, recurse=True):
+        self.syncs = requires_gradient_sync
+
+
+def test_a_micro_batch_that_raises_under_step_reduction_leaves_gradient_sync_on():
+    # grad_reduce="step" switched the sync off for all but the last micro-batch; an error
+    # in between left it off, so the next step (any grad_reduce) never reduced gradients.
+    import pytest
+
+    model = _SyncRecordingLM()
+    ids = torch.randint(0, 11, (2, 7), generator=torch.Generator().manual_seed(0))
+    bad = MicroBatch(ids, ids[:, :3])  # labels of another length: cross_entropy raises
+    with pytest.raises(ValueError):
+        run_microbatches(model, [MicroBatch(ids, ids), bad, MicroBatch(ids, ids)], 42,
+                         grad_reduce="step")  # fmt: skip
+    assert model.syncs, "gradient sync left off after a failed step"
+    run_microbatches(model, [MicroBatch(ids, ids), MicroBatch(ids, ids)], 28, grad_reduce="step")
+    assert model.syncs

@@ -91,23 +91,27 @@ def run_microbatches(
     # Sums stay on the device: one host transfer at the end, not one per micro-batch.
     ce_sums, token_counts, aux_losses = [], [], []
     terms: dict[str, list[torch.Tensor]] = {}
-    for i, mb in enumerate(microbatches):
-        if defer:  # reduce-scatter only in the last micro-batch's backward
-            model.set_requires_gradient_sync(i == len(microbatches) - 1)
-        if mb.positions is None:
-            out = model.loss(mb.input_ids, mb.labels, ignore_index=ignore_index)
-        else:
-            out = model.loss(
-                mb.input_ids, mb.labels, ignore_index=ignore_index, position_ids=mb.positions
-            )
-        # The aux loss is a per-micro-batch mean already; average it over micro-batches.
-        loss = out.ce_sum / global_num_tokens + out.aux_loss / len(microbatches)
-        loss.backward()
-        ce_sums.append(out.ce_sum.detach().double())
-        token_counts.append(out.num_tokens.detach())
-        aux_losses.append(out.aux_loss.detach().double())
-        for name, value in getattr(out, "losses", {}).items():
-            terms.setdefault(name, []).append(value.detach().double())
+    try:
+        for i, mb in enumerate(microbatches):
+            if defer:  # reduce-scatter only in the last micro-batch's backward
+                model.set_requires_gradient_sync(i == len(microbatches) - 1)
+            if mb.positions is None:
+                out = model.loss(mb.input_ids, mb.labels, ignore_index=ignore_index)
+            else:
+                out = model.loss(
+                    mb.input_ids, mb.labels, ignore_index=ignore_index, position_ids=mb.positions
+                )
+            # The aux loss is a per-micro-batch mean already; average it over micro-batches.
+            loss = out.ce_sum / global_num_tokens + out.aux_loss / len(microbatches)
+            loss.backward()
+            ce_sums.append(out.ce_sum.detach().double())
+            token_counts.append(out.num_tokens.detach())
+            aux_losses.append(out.aux_loss.detach().double())
+            for name, value in getattr(out, "losses", {}).items():
+                terms.setdefault(name, []).append(value.detach().double())
+    finally:
+        if defer:  # a micro-batch that raised must not leave later steps unreduced
+            model.set_requires_gradient_sync(True)
     if not microbatches:
         zero = torch.zeros((), dtype=torch.float64)
         return StepResult(ce_sum=zero, num_tokens=zero.long(), aux_loss=zero)
