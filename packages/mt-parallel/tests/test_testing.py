@@ -5,3 +5,18 @@ from mt_parallel.testing import check_routing_report_is_rank_independent, spawn
 
 def test_routing_mismatch_is_reported_the_same_on_every_rank():
     spawn(check_routing_report_is_rank_independent, 2)
+
+
+def test_reference_routing_is_cut_for_a_layout_without_cp_at_an_odd_sequence_length():
+    # Cutting went through zigzag_positions, which needs seq_len divisible by 2*cp even
+    # for cp = 1, so compare_layout refused a dp/ep layout at seq_len 15.
+    import torch
+
+    from mt_parallel import ParallelDims
+    from mt_parallel.testing import _rank_topk
+
+    ids = torch.arange(4 * 15 * 2).view(4 * 15, 2)  # one router call: micro 4, S 15, K 2
+    dims = ParallelDims(world_size=2, dp=2)
+    for batch_rank in range(2):
+        (mine,) = _rank_topk([ids], dims, batch_rank, 0, micro=4, seq_len=15)
+        assert torch.equal(mine, ids[batch_rank * 30 : (batch_rank + 1) * 30])

@@ -303,7 +303,8 @@ def assert_same_routing(par_topk: list[torch.Tensor], ref_topk: list[torch.Tenso
 def _rank_topk(ref_topk, dims, batch_rank, cp_rank, micro, seq_len):
     """Cuts each reference router call down to this rank's rows and token positions."""
     rows_per_rank = micro // dims.batch_ranks
-    positions = zigzag_positions(seq_len, dims.cp, cp_rank)
+    # Without CP a rank holds every position, whatever the parity of seq_len.
+    positions = zigzag_positions(seq_len, dims.cp, cp_rank) if dims.cp > 1 else slice(None)
     out = []
     for ids in ref_topk:  # one per (step, micro-batch, MoE layer), [micro·S, K]
         ids = ids.view(micro, seq_len, -1)
