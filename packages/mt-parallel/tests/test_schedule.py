@@ -72,8 +72,11 @@ def test_step_result_holds_fp64_loss_sums_and_an_int64_token_count_on_the_cpu():
 def test_zero_global_tokens_is_rejected():
     import pytest
 
-    with pytest.raises(ValueError, match="global_num_tokens"):
-        run_microbatches(_TinyLM(), [], 0)
+    # The message named the value only, not what it counts or what 0 means.
+    with pytest.raises(ValueError, match="global_num_tokens") as err:
+        run_microbatches(_TinyLM(), [], 0, ignore_index=-1)
+    assert "not ignore_index (-1)" in str(err.value), err.value
+    assert "every label of the step is ignored" in str(err.value), err.value
 
 
 class _SyncRecordingLM(_TinyLM, FSDPModule):

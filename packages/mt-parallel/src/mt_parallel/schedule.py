@@ -84,7 +84,12 @@ def run_microbatches(
         The detached loss sums, for logging.
     """
     if global_num_tokens <= 0:
-        raise ValueError(f"global_num_tokens ({global_num_tokens}) must be positive")
+        raise ValueError(
+            f"global_num_tokens ({global_num_tokens}) must be positive: pass the number of "
+            f"labels that are not ignore_index ({ignore_index}) in the whole step, summed over "
+            "all micro-batches and ranks; 0 means every label of the step is ignored, so "
+            "there is no loss to train on (skip that batch)"
+        )
     if grad_reduce not in GRAD_REDUCE:
         raise ValueError(f"grad_reduce ({grad_reduce!r}) must be one of {GRAD_REDUCE}")
     defer = grad_reduce == "step" and isinstance(model, FSDPModule)
