@@ -17,6 +17,15 @@ def test_sizes_that_do_not_multiply_to_the_world_size_are_rejected():
         ParallelDims(world_size=6, ep=4)
 
 
+def test_a_mismatched_explicit_dp_names_the_fix_that_works():
+    # Both cases said "set parallel.dp=-1 to derive dp", which fails for cp=3 on 8 ranks.
+    with pytest.raises(ValueError, match=r"set parallel.dp=2 \(or -1, which derives it\)"):
+        ParallelDims(world_size=8, dp=3, ep=4)
+    with pytest.raises(ValueError, match=r"pp\*cp\*ep \(1\*3\*1=3\) does not divide") as err:
+        ParallelDims(world_size=8, dp=1, cp=3)
+    assert "dp=-1" not in str(err.value), err.value
+
+
 def test_expert_parallel_size_must_divide_the_experts():
     dims = ParallelDims(world_size=3, ep=3)
     with pytest.raises(ValueError, match=r"parallel.ep \(3\) must divide num_experts \(8\)"):

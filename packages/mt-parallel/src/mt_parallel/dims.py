@@ -75,10 +75,18 @@ class ParallelDims:
         if self.dp < 1:
             raise ValueError(f"parallel.dp ({self.dp}) must be >= 1, or -1 to fill the world")
         if self.pp * self.dp * self.cp * self.ep != self.world_size:
+            if self.world_size % inner:  # no dp fits: deriving it would fail as well
+                fix = (
+                    f"pp*cp*ep ({self.pp}*{self.cp}*{self.ep}={inner}) does not divide it; "
+                    f"choose pp, cp and ep whose product divides {self.world_size}"
+                )
+            else:
+                dp = self.world_size // inner
+                fix = f"set parallel.dp={dp} (or -1, which derives it)"
             raise ValueError(
                 f"pp*dp*cp*ep ({self.pp}*{self.dp}*{self.cp}*{self.ep}="
                 f"{self.pp * self.dp * self.cp * self.ep}) must equal the world size "
-                f"({self.world_size}); set parallel.dp=-1 to derive dp"
+                f"({self.world_size}); {fix}"
             )
 
     @property
