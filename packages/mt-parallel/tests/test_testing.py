@@ -1,6 +1,10 @@
 """The checking helpers report the same thing whichever rank `spawn` surfaces (gloo, CPU)."""
 
-from mt_parallel.testing import check_routing_report_is_rank_independent, spawn
+from mt_parallel.testing import (
+    check_mesh_ranks_of_flattened_axes,
+    check_routing_report_is_rank_independent,
+    spawn,
+)
 
 
 def test_routing_mismatch_is_reported_the_same_on_every_rank():
@@ -20,3 +24,9 @@ def test_reference_routing_is_cut_for_a_layout_without_cp_at_an_odd_sequence_len
     for batch_rank in range(2):
         (mine,) = _rank_topk([ids], dims, batch_rank, 0, micro=4, seq_len=15)
         assert torch.equal(mine, ids[batch_rank * 30 : (batch_rank + 1) * 30])
+
+
+def test_mesh_ranks_of_flattened_axes_come_from_the_kept_meshes_without_warnings():
+    # rank() sliced "dp_ep" etc. from the root mesh, which torch 2.11 warns is deprecated;
+    # group() already used the kept flattened meshes.
+    spawn(check_mesh_ranks_of_flattened_axes, 2)

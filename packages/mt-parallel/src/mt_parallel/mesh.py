@@ -41,16 +41,19 @@ class ParallelMesh:
         """"cuda" or "cpu"."""
         return self.world.device_type
 
-    def group(self, axis: str) -> dist.ProcessGroup:
-        """The group of "pp", "dp", "cp", "ep" or a flattened "dp_cp", "dp_ep", "dp_cp_ep"."""
+    def _axis(self, axis: str) -> DeviceMesh:
         flattened = {"dp_cp_ep": self.dense, "dp_cp": self.expert, "dp_ep": self.batch}
         if axis in flattened:  # kept directly: slicing them from the root is deprecated
-            return flattened[axis].get_group()
-        return self.world[axis].get_group()
+            return flattened[axis]
+        return self.world[axis]
+
+    def group(self, axis: str) -> dist.ProcessGroup:
+        """The group of "pp", "dp", "cp", "ep" or a flattened "dp_cp", "dp_ep", "dp_cp_ep"."""
+        return self._axis(axis).get_group()
 
     def rank(self, axis: str) -> int:
-        """This process's coordinate along `axis`."""
-        return self.world[axis].get_local_rank()
+        """This process's coordinate along `axis` (any name `group` takes)."""
+        return self._axis(axis).get_local_rank()
 
     @property
     def batch_rank(self) -> int:

@@ -461,6 +461,24 @@ def check_fsdp_fused_experts_keep_router_weights(model_config: Any) -> None:
     assert torch.equal(fused, phases), rel_err(fused.float(), phases.float())
 
 
+def check_mesh_ranks_of_flattened_axes() -> None:
+    """On 2 ranks, for each layout: `ParallelMesh.rank` of a flattened axis ("dp_ep",
+    "dp_cp", "dp_cp_ep") is this rank's index in that axis's group, and no axis warns
+    (slicing a flattened dim from the root mesh is deprecated) (a `spawn` target)."""
+    import warnings
+
+    from mt_parallel.mesh import build_mesh
+
+    world = dist.get_world_size()
+    for layout in ({"dp": world}, {"cp": world}, {"ep": world}):
+        mesh = build_mesh(ParallelDims(world_size=world, **layout), "cpu")
+        for axis in ("pp", "dp", "cp", "ep", "dp_cp", "dp_ep", "dp_cp_ep"):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                rank = mesh.rank(axis)
+            assert rank == dist.get_rank(mesh.group(axis)), f"{layout} {axis}: {rank}"
+
+
 def check_context_parallel_positions(seq_len: int = 8, window: int = 3) -> None:
     """Asserts, on each rank of a spawned CP group, that the context-parallel core gives the
     one-process attention of its zigzag queries for positions of one row [S] and of each
