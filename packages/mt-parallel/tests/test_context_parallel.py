@@ -43,3 +43,12 @@ def test_split_sample_refuses_samples_that_fit_neither_layout_naming_both():
     ranges = zigzag_ranges(16, 2, 0)  # [(0, 5), (12, 17)]: 10 columns cut, 17 whole
     with pytest.raises(ValueError, match=r"\(\(2, 12\)\) must be \[B, S\+1\] .* or \[B, 10\]"):
         split_sample(torch.zeros(2, 12, dtype=torch.long), ranges)
+
+
+def test_split_sample_refuses_tokens_that_are_not_2d_naming_the_batch_dim():
+    # A single [S+1] sample failed with "IndexError: tuple index out of range".
+    ranges = zigzag_ranges(16, 2, 0)
+    with pytest.raises(ValueError, match=r"\(\(17,\)\) must be \[B, S\+1\] .* tokens\[None\]"):
+        split_sample(torch.arange(17), ranges)
+    with pytest.raises(ValueError, match=r"\(\(1, 2, 17\)\) must be \[B, S\+1\]"):
+        split_sample(torch.zeros(1, 2, 17, dtype=torch.long), ranges)

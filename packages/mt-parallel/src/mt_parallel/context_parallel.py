@@ -59,12 +59,16 @@ def split_sample(tokens: Tensor, ranges: list[tuple[int, int]]) -> tuple[Tensor,
     # whole. These differ for every cp; for cp = 1 the two chunks share a label column,
     # so the cut layout is the wider one.
     cut, last = sum(b - a for a, b in ranges), max(b for _, b in ranges)
-    whole = tokens.shape[1] != cut
-    if whole and tokens.shape[1] < last:
+    whole = tokens.dim() == 2 and tokens.shape[1] != cut
+    if tokens.dim() != 2 or (whole and tokens.shape[1] < last):
+        fix = (
+            "one sample needs its batch dim: pass tokens[None]"
+            if tokens.dim() == 1
+            else "pass the samples the ranges were made for"
+        )
         raise ValueError(
             f"tokens shape ({tuple(tokens.shape)}) must be [B, S+1] (whole samples, at "
-            f"least {last} columns) or [B, {cut}] (only the columns of ranges {ranges}); "
-            "pass the samples the ranges were made for"
+            f"least {last} columns) or [B, {cut}] (only the columns of ranges {ranges}); {fix}"
         )
     inputs, labels, offset = [], [], 0
     for start, end in ranges:
