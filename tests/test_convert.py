@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from mt_models import build_model, deepseek_v2, gpt_oss, hf_io, qwen3_moe, save_hf
 from mt_train import convert
+from mt_train.checkpoint import FORMAT_VERSION
 from mt_train.cli import main
 from mt_train.convert import mt_to_hf, parse_size
 from mt_train.overrides import resolve_config
@@ -194,6 +195,29 @@ def test_mt_to_hf_refuses_a_checkpoint_that_does_not_fit_its_config(
     assert list(tmp_path.iterdir()) == []
 
 
+def _edited_copy(mt_checkpoint, checkpoint, edit):
+    """Copies `mt_checkpoint` to `checkpoint` with `edit` applied to its train_state.json
+    (in place); returns the edited state."""
+    shutil.copytree(mt_checkpoint, checkpoint)
+    state = json.loads((checkpoint / "train_state.json").read_text())
+    edit(state)
+    (checkpoint / "train_state.json").write_text(json.dumps(state))
+    return state
+
+
+def _assert_mt_to_hf_and_generate_refuse(checkpoint, out, capsys, *expected):
+    """`convert mt-to-hf` and `generate` of `checkpoint` exit with 2 and a one-line error
+    holding every `expected` text, and write no `out`."""
+    for argv in (
+        ["convert", "mt-to-hf", "--checkpoint", str(checkpoint), "--out", str(out)],
+        ["generate", "--checkpoint", str(checkpoint), "--prompt", "x"],
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert all(text in err for text in expected) and "Traceback" not in err, err
+    assert not out.exists()
+
+
 def test_convert_and_generate_name_a_damaged_checkpoint_in_a_one_line_error(
     tmp_path, mt_checkpoint, capsys
 ):
@@ -205,16 +229,10 @@ def test_convert_and_generate_name_a_damaged_checkpoint_in_a_one_line_error(
     shutil.copytree(mt_checkpoint, tmp_path / "empty_metadata", dirs_exist_ok=True)
     (tmp_path / "empty_metadata" / ".metadata").write_bytes(b"")
     for checkpoint in (damaged, tmp_path / "empty_metadata"):
-        for argv in (
-            ["convert", "mt-to-hf", "--checkpoint", str(checkpoint), "--out",
-             str(tmp_path / "back")],
-            ["generate", "--checkpoint", str(checkpoint), "--prompt", "x"],
-        ):  # fmt: skip
-            assert main(argv) == 2
-            err = capsys.readouterr().err
-            assert f"checkpoint {checkpoint} cannot be read, it is damaged" in err, err
-            assert "give another checkpoint" in err and "Traceback" not in err
-    assert not (tmp_path / "back").exists()
+        _assert_mt_to_hf_and_generate_refuse(
+            checkpoint, tmp_path / "back", capsys,
+            f"checkpoint {checkpoint} cannot be read, it is damaged", "give another checkpoint",
+        )  # fmt: skip
 
 
 def test_hf_to_mt_and_init_from_name_a_damaged_config_json_index_or_shard(
@@ -255,50 +273,36 @@ def test_a_checkpoint_whose_model_config_this_version_cannot_build_is_a_one_line
     }
     for name, edit in edits.items():
         checkpoint = tmp_path / name
-        shutil.copytree(mt_checkpoint, checkpoint)
-        state = json.loads((checkpoint / "train_state.json").read_text())
-        edit(state)
-        (checkpoint / "train_state.json").write_text(json.dumps(state))
-        for argv in (
-            ["convert", "mt-to-hf", "--checkpoint", str(checkpoint), "--out",
-             str(tmp_path / "back")],
-            ["generate", "--checkpoint", str(checkpoint), "--prompt", "x"],
-        ):  # fmt: skip
-            assert main(argv) == 2
-            err = capsys.readouterr().err
-            assert f"checkpoint {checkpoint}: train_state.json holds no model config" in err, err
-            assert "give another checkpoint" in err and "Traceback" not in err
-    assert not (tmp_path / "back").exists()
+        _edited_copy(mt_checkpoint, checkpoint, edit)
+        _assert_mt_to_hf_and_generate_refuse(
+            checkpoint, tmp_path / "back", capsys,
+            f"checkpoint {checkpoint}: train_state.json holds no model config",
+            "give another checkpoint",
+        )  # fmt: skip
 
 
 def test_a_checkpoint_of_a_newer_format_version_is_refused_by_convert_and_generate(
     tmp_path, mt_checkpoint, capsys
 ):
     checkpoint = tmp_path / "newer"
-    shutil.copytree(mt_checkpoint, checkpoint)
-    state = json.loads((checkpoint / "train_state.json").read_text())
-    state["format_version"] += 1
-    (checkpoint / "train_state.json").write_text(json.dumps(state))
-    for argv in (
-        ["convert", "mt-to-hf", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "back")],
-        ["generate", "--checkpoint", str(checkpoint), "--prompt", "x"],
-    ):
-        assert main(argv) == 2
-        err = capsys.readouterr().err
-        assert f"checkpoint {checkpoint} has format version {state['format_version']}" in err
-        assert "upgrade moetrain" in err and "Traceback" not in err
-    assert not (tmp_path / "back").exists()
+    newer = FORMAT_VERSION + 1
+    _edited_copy(mt_checkpoint, checkpoint, lambda state: state.update(format_version=newer))
+    _assert_mt_to_hf_and_generate_refuse(
+        checkpoint, tmp_path / "back", capsys,
+        f"checkpoint {checkpoint} has format version {newer}",
+        "upgrade moetrain",
+    )  # fmt: skip
 
 
 def test_a_checkpoint_whose_corpus_tokenizer_is_not_found_is_an_error_not_another_tokenizer(
     tmp_path, mt_checkpoint, capsys
 ):
     checkpoint = tmp_path / "step_00000002"
-    shutil.copytree(mt_checkpoint, checkpoint)
+    # A corpus relative to where the run was started.
+    state = _edited_copy(
+        mt_checkpoint, checkpoint, lambda state: state["config"].update(data={"path": "corpus"})
+    )
     (checkpoint / "tokenizer.json").unlink()
-    state = json.loads((checkpoint / "train_state.json").read_text())
-    state["config"]["data"] = {"path": "corpus"}  # relative to where the run was started
-    (checkpoint / "train_state.json").write_text(json.dumps(state))
     for argv in (
         ["convert", "mt-to-hf", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "back")],
         ["generate", "--checkpoint", str(checkpoint), "--prompt", "x", "--max-new-tokens", "1"],
