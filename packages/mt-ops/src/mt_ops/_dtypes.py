@@ -11,7 +11,7 @@ is how one-GPU training runs bf16 activations against fp32 parameters.
 import torch
 from torch import Tensor
 
-__all__ = ["autocast_dtype", "check_same_dtype", "is_integer"]
+__all__ = ["autocast_dtype", "check_same_dtype", "compute_dtype", "is_integer"]
 
 
 def autocast_dtype(device: torch.device) -> torch.dtype | None:
@@ -25,6 +25,15 @@ def autocast_dtype(device: torch.device) -> torch.dtype | None:
     if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return None
+
+
+def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """The dtype a reference computes in for inputs of ``dtypes``: fp32, or fp64 when any
+    is fp64 (which fp32 would round, failing gradcheck)."""
+    result = torch.float32
+    for dtype in dtypes:
+        result = torch.promote_types(result, dtype)
+    return result
 
 
 def is_integer(dtype: torch.dtype) -> bool:

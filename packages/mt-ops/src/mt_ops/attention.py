@@ -48,7 +48,7 @@ from torch.nn.attention.flex_attention import (
     flex_attention,
 )
 
-from mt_ops._dtypes import check_same_dtype, is_integer
+from mt_ops._dtypes import check_same_dtype, compute_dtype, is_integer
 
 __all__ = ["apply_sinks", "attention", "attention_reference"]
 
@@ -210,7 +210,7 @@ def apply_sinks(out_BHSD: Tensor, lse_BHS: Tensor, sinks_H: Tensor) -> Tensor:
         The output with sinks, in the dtype of ``out_BHSD`` (computed in fp32, in fp64
         when any input is fp64).
     """
-    dtype = torch.promote_types(torch.promote_types(out_BHSD.dtype, lse_BHS.dtype), torch.float32)
+    dtype = compute_dtype(out_BHSD.dtype, lse_BHS.dtype)
     keep_BHS = torch.sigmoid(lse_BHS.to(dtype) - sinks_H.to(dtype)[None, :, None])  # [B, Hq, Sq]
     return (out_BHSD.to(dtype) * keep_BHS[..., None]).to(out_BHSD.dtype)
 
@@ -535,7 +535,7 @@ def attention_reference(
     )  # fmt: skip
     scale = 1.0 / math.sqrt(q_BHSD.shape[-1]) if scale is None else scale
     group = q_BHSD.shape[1] // k_BHSD.shape[1]
-    dtype = torch.promote_types(q_BHSD.dtype, torch.float32)  # fp64 is not rounded to fp32
+    dtype = compute_dtype(q_BHSD.dtype)
     k = k_BHSD.to(dtype).repeat_interleave(group, dim=1)  # [B, Hq, Sk, Dqk]
     v = v_BHSD.to(dtype).repeat_interleave(group, dim=1)  # [B, Hq, Sk, Dv]
     scores = torch.matmul(q_BHSD.to(dtype), k.transpose(-2, -1)) * scale  # [B, Hq, Sq, Sk]

@@ -17,6 +17,8 @@ inputs).
 import torch
 from torch import Tensor
 
+from mt_ops._dtypes import compute_dtype
+
 __all__ = ["clamped_swiglu", "clamped_swiglu_reference"]
 
 
@@ -32,11 +34,6 @@ def _check(gate_up: Tensor, alpha: float, limit: float) -> None:
         )
 
 
-def _compute_dtype(gate_up: Tensor) -> torch.dtype:
-    """fp32, or fp64 for fp64 inputs (which fp32 would round)."""
-    return torch.promote_types(gate_up.dtype, torch.float32)
-
-
 def clamped_swiglu(gate_up: Tensor, alpha: float = 1.702, limit: float = 7.0) -> Tensor:
     """``(clamp(up) + 1) · g · sigmoid(alpha · g)`` with ``g = min(gate, limit)``.
 
@@ -49,7 +46,7 @@ def clamped_swiglu(gate_up: Tensor, alpha: float = 1.702, limit: float = 7.0) ->
         Tensor [..., F] in the dtype of ``gate_up``.
     """
     _check(gate_up, alpha, limit)
-    x = gate_up.to(_compute_dtype(gate_up))  # bf16 intermediates would round five times
+    x = gate_up.to(compute_dtype(gate_up.dtype))  # bf16 intermediates would round five times
     gate = x[..., 0::2].clamp(max=limit)  # [..., F]
     up = x[..., 1::2].clamp(min=-limit, max=limit)  # [..., F]
     return ((up + 1) * (gate * torch.sigmoid(gate * alpha))).to(gate_up.dtype)
@@ -67,7 +64,7 @@ def clamped_swiglu_reference(gate_up: Tensor, alpha: float = 1.702, limit: float
         Tensor [..., F] in the dtype of ``gate_up``.
     """
     _check(gate_up, alpha, limit)
-    pairs = gate_up.to(_compute_dtype(gate_up)).unflatten(-1, (-1, 2))  # [..., F, 2]
+    pairs = gate_up.to(compute_dtype(gate_up.dtype)).unflatten(-1, (-1, 2))  # [..., F, 2]
     gate, up = pairs[..., 0], pairs[..., 1]
     # Values at the bound keep their gradient (as ``clamp``); beyond it they lose it.
     gate = torch.where(gate > limit, torch.full_like(gate, limit), gate)

@@ -22,7 +22,7 @@ gradients come back in the parameters' dtypes.
 import torch
 from torch import Tensor, nn
 
-from mt_ops._dtypes import autocast_dtype, check_same_dtype, is_integer
+from mt_ops._dtypes import autocast_dtype, check_same_dtype, compute_dtype, is_integer
 from mt_ops.deferred_wgrad import WeightGradQueue, accumulate_grad
 
 __all__ = ["GroupedLinear", "grouped_linear", "grouped_linear_reference", "segment_sum"]
@@ -145,7 +145,7 @@ def segment_sum(t_RO: Tensor, tokens_per_expert_E: Tensor) -> Tensor:
     Returns:
         [E, O] in fp32 (fp64 for fp64 rows); zero for experts with no rows.
     """
-    dtype = torch.promote_types(t_RO.dtype, torch.float32)  # fp64 rows are not rounded
+    dtype = compute_dtype(t_RO.dtype)
     if t_RO.shape[0] == 0:
         return t_RO.new_zeros(tokens_per_expert_E.numel(), t_RO.shape[1], dtype=dtype)
     return torch.segment_reduce(

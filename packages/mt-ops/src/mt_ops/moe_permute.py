@@ -21,7 +21,7 @@ runs as eager PyTorch (``*_reference``).
 import torch
 from torch import Tensor
 
-from mt_ops._dtypes import autocast_dtype
+from mt_ops._dtypes import autocast_dtype, compute_dtype
 from mt_ops._triton import launch, tl, triton, use_kernels
 from mt_ops.moe_plan import DispatchPlan, plan_dispatch, plan_dispatch_reference
 
@@ -294,7 +294,7 @@ def unpermute_reference(
     y_RD = torch.nn.functional.pad(y_RD, (0, 0, 0, num_tokens * topk - num_rows))  # dropped: 0
     y_SD = y_RD.index_select(0, plan.row_of_slot_R)  # [T*K, D], slot order
     y_TKD = y_SD.view(num_tokens, topk, y_RD.shape[1])  # [T, K, D]
-    dtype = torch.promote_types(y_RD.dtype, torch.float32)  # fp64 is not rounded to fp32
+    dtype = compute_dtype(y_RD.dtype)
     weighted_TKD = y_TKD.to(dtype) * topk_weights_TK.to(dtype).unsqueeze(-1)  # [T, K, D]
     return weighted_TKD.sum(dim=1).to(y_RD.dtype)  # [T, D]
 

@@ -19,6 +19,7 @@ return the dtype of ``x``.
 import torch
 from torch import Tensor
 
+from mt_ops._dtypes import compute_dtype
 from mt_ops._triton import launch, tl, triton, use_kernels
 
 __all__ = ["apply_rope", "apply_rope_reference"]
@@ -155,7 +156,7 @@ def apply_rope_reference(x_BSHD: Tensor, cos_SD: Tensor, sin_SD: Tensor) -> Tens
         Rotated tensor of the shape and dtype of ``x_BSHD``.
     """
     cos, sin = _broadcast_cos_sin(x_BSHD, cos_SD, sin_SD)
-    dtype = torch.promote_types(x_BSHD.dtype, torch.float32)  # fp64 is not rounded to fp32
+    dtype = compute_dtype(x_BSHD.dtype)
     x = x_BSHD.to(dtype)
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mt_ops._dtypes import compute_dtype
 from mt_ops._triton import cdiv, launch, tl, triton, use_kernels
 
 __all__ = ["swiglu", "swiglu_reference"]
@@ -117,7 +118,7 @@ def swiglu_reference(gate: Tensor, up: Tensor) -> Tensor:
         Tensor of the shape and dtype of ``gate``.
     """
     _check(gate, up)
-    dtype = torch.promote_types(gate.dtype, torch.float32)  # fp64 is not rounded to fp32
+    dtype = compute_dtype(gate.dtype)
     g = gate.to(dtype)
     return (g * torch.sigmoid(g) * up.to(dtype)).to(gate.dtype)
 
