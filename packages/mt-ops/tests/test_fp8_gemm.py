@@ -298,31 +298,46 @@ TRITON = "triton"
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_tma_loads_equal_pointer_loads_bit_for_bit(monkeypatch):
-    # The TMA path (persistent grouped GEMM whose whole row tiles are written by TMA stores,
-    # 128×64 wgrad tiles) and the pointer path add the same per-block products in the same
-    # order, so their results agree in every bit: with whole tiles, with partial N, K and row
-    # tiles (masked stores that must not touch the next group's rows), and with no rows.
+@pytest.mark.parametrize("scale_format", ["fp32", "e8m0"])
+def test_gpu_kernel_paths_agree_bit_for_bit(monkeypatch, scale_format):
+    # Every kernel path adds the same per-block products in the same order, so all agree in
+    # every bit: on Hopper the warp-specialized Gluon kernels (128×256 tiles), then the
+    # Triton kernels with TMA loads (persistent grouped GEMM whose whole row tiles are
+    # written by TMA stores, 128×64 wgrad tiles), without TMA stores, not persistent, and
+    # with pointer loads. Whole tiles, partial N, K and row tiles (masked stores that must
+    # not touch the next group's rows), groups with no rows, BF16 and fp32 outputs, and
+    # accumulation into an fp32 weight gradient.
     for counts, k_dim, n_dim in (
         ([0, 300, 17, 0, 700, 1], 768, 2048),
         ([0, 300, 17, 5], 272, 200),
         ([0, 0], 256, 128),
     ):
-        p = _problem(counts, k_dim, n_dim, device="cuda")
-        a2q, w2q = _second_pair(p, "fp32")
+        p = _problem(counts, k_dim, n_dim, scale_format, device="cuda")
+        a2q, w2q = _second_pair(p, scale_format)
         tiles = p["tiles"]
+        main_grad = torch.randn(len(counts), n_dim, k_dim, device="cuda")
 
-        def run(p=p, a2q=a2q, w2q=w2q, tiles=tiles):
+        def run(p=p, a2q=a2q, w2q=w2q, tiles=tiles, main_grad=main_grad):
             return (
                 fp8_grouped_gemm(p["xq"], p["wq"], tiles, out_dtype=torch.float32, backend=TRITON),
                 fp8_grouped_gemm(p["dyq"], p["wqt"], tiles, backend="triton"),
                 fp8_grouped_gemm_sum(p["dyq"], p["wqt"], a2q, w2q, tiles, backend="triton"),
                 fp8_grouped_wgrad(p["dyqt"], p["xqt"], tiles, backend="triton"),
+                fp8_grouped_wgrad(
+                    p["dyqt"], p["xqt"], tiles, out_dtype=torch.bfloat16, backend="triton"
+                ),
+                fp8_grouped_wgrad(
+                    p["dyqt"], p["xqt"], tiles, out=main_grad.clone(), backend="triton"
+                ),
             )
 
         assert gemm_module._use_tma(p["dyqt"].data) and gemm_module._use_tma(p["wq"].data)
         with monkeypatch.context() as patch:
-            with_tma = run()  # persistent
+            first = run()  # the Gluon kernels on Hopper
+            patch.setitem(gemm_module.HOPPER, "enabled", False)
+            with_tma = run()  # persistent Triton kernels
+            for got, expected in zip(with_tma, first, strict=True):
+                assert torch.equal(got, expected), counts
             patch.setitem(gemm_module.TMA, "store", False)
             for got, expected in zip(run(), with_tma, strict=True):
                 assert torch.equal(got, expected), counts
@@ -332,3 +347,25 @@ def test_gpu_tma_loads_equal_pointer_loads_bit_for_bit(monkeypatch):
             patch.setitem(gemm_module.TMA, "enabled", False)
             for got, expected in zip(run(), with_tma, strict=True):
                 assert torch.equal(got, expected), counts
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="needs a Hopper GPU",
+)
+def test_gpu_hopper_kernels_take_the_grouped_products(monkeypatch):
+    # The bit-for-bit test above would pass if the Gluon kernels were never used.
+    calls = []
+    for name in ("grouped_gemm", "grouped_wgrad"):
+        original = getattr(gemm_module.fp8_gemm_hopper, name)
+
+        def spy(*args, _original=original, _name=name, **kwargs):
+            calls.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(gemm_module.fp8_gemm_hopper, name, spy)
+    p = _problem([0, 300, 17, 0, 700, 1], 768, 2048, device="cuda")
+    fp8_grouped_gemm(p["xq"], p["wq"], p["tiles"], backend="triton")
+    fp8_grouped_wgrad(p["dyqt"], p["xqt"], p["tiles"], backend="triton")
+    assert calls == ["grouped_gemm", "grouped_wgrad"]

@@ -31,7 +31,9 @@ the environment variable ``MT_OPS_FP8_BACKEND``):
   4k-16k tokens: 1.43-1.83× our Triton kernel, e.g. 4096×2048 over 16k in 276 against
   412 us); our Triton kernels for other dense shapes and for grouped products (PyTorch's
   grouped FP8 path is rowwise only).
-- ``"triton"``: our Triton kernels for everything.
+- ``"triton"``: our Triton kernels for everything (on Hopper, the grouped products take the
+  warp-specialized Gluon kernels of :mod:`mt_ops.fp8_gemm_hopper`, which compute the same
+  bits faster).
 - ``"emulation"``: dequantize + fp32 matmul (the CPU default).
 """
 
@@ -42,6 +44,7 @@ from functools import cache
 import torch
 from torch import Tensor
 
+from mt_ops import fp8_gemm_hopper
 from mt_ops._triton import TensorDescriptor, cdiv, launch, num_sms, tl, triton
 from mt_ops.fp8_quant import (
     BLOCK,
@@ -149,12 +152,23 @@ GEMM_CONFIG = {"num_stages": 4, "num_warps": 8, "MAX_IMPRECISE": None, "N_FASTES
 # tile's main loop (+0-7% on the same shapes, e.g. Qwen3 down fprop 574 -> 612 TFLOP/s).
 # Tried and not kept for wgrad: TMA stores and a persistent grid, 0.97-1.05x with BF16 output
 # and 0.6x with fp32 output (the fp32 staging tile halves the programs per SM).
-# A warp-specialized Gluon kernel (one TMA producer warp, two consumer warpgroups promoting
-# 64 rows each) computed the same bits at 0.95-1.09x; with plain accumulation instead of
-# per-block promotion it reached only 1.10-1.30x, so the scaling is not the main limit.
+# A warp-specialized Gluon kernel with these 128×128 tiles (one TMA producer warp, two
+# consumer warpgroups promoting 64 rows each) computed the same bits at 0.95-1.09x; with
+# plain accumulation instead of per-block promotion it reached only 1.10-1.30x, so the
+# scaling is not the main limit. What was: 128×256 tiles, which mt_ops.fp8_gemm_hopper
+# holds in two consumer warpgroups of 128 columns each (HOPPER below).
 # Loading the next tile's group and rows while a tile runs (instead of at its start) changed
 # nothing (0.93-1.01x), so the per-tile cost is not that dependent-load chain either.
 TMA = {"enabled": True, "persistent": True, "store": True}
+# On Hopper the grouped products run the warp-specialized Gluon kernels of
+# mt_ops.fp8_gemm_hopper (128×256 tiles; 1.2-1.5x these for fprop and dgrad, 1.1-1.4x for
+# wgrad on the H200, the same bits); the Triton kernels here serve other GPUs, operands
+# TMA cannot read, the interpreter on CPU, and benchmarks that switch this off.
+HOPPER = {"enabled": True}
+
+
+def _use_hopper(*operands: Fp8Quantized, out: Tensor) -> bool:
+    return HOPPER["enabled"] and TMA["enabled"] and fp8_gemm_hopper.supported(operands, out)
 
 
 def _use_tma(*tensors: Tensor) -> bool:
@@ -306,6 +320,8 @@ def _grouped_gemm_triton(a, b, tiles, out_dtype, second=None):
     out = torch.empty(num_rows, n_dim, dtype=out_dtype, device=a.data.device)
     if num_rows == 0 or n_dim == 0:  # e.g. an expert-parallel rank that received no tokens
         return out
+    if _use_hopper(a, b, *(second or ()), out=out):
+        return fp8_gemm_hopper.grouped_gemm(a, b, tiles, out, second)
     e8m0 = a.scale.dtype == torch.float8_e8m0fnu
 
     def storage(q):
@@ -705,6 +721,8 @@ def fp8_grouped_wgrad(
     accumulate = out is not None
     if out is None:
         out = torch.empty(num_groups, n_dim, k_dim, dtype=out_dtype, device=a_t.data.device)
+    if out.numel() > 0 and _use_hopper(a_t, b_t, out=out):
+        return fp8_gemm_hopper.grouped_wgrad(a_t, b_t, tiles, out, accumulate)
     e8m0 = a_t.scale.dtype == torch.float8_e8m0fnu
     sa = a_t.scale.view(torch.uint8) if e8m0 else a_t.scale
     sb = b_t.scale.view(torch.uint8) if e8m0 else b_t.scale

@@ -1,0 +1,109 @@
+"""The Hopper (Gluon) FP8 GEMM kernels compile for sm_90a on a machine without a GPU.
+
+The GPU tests in test_fp8_gemm.py run them on the H200 against the Triton kernels, bit for
+bit; CI has no GPU, so here every variant is compiled (Triton's pipeline down to ptxas, with
+a stand-in driver that names an sm_90 target) and checked for the invariants whose breakage
+hangs or refuses the launch instead of failing a comparison: the shared memory fits the
+H200, each stage's mbarrier expects exactly the bytes its TMA loads bring, and the
+registers are split between the consumer warpgroups and the loader warp.
+"""
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import mt_ops.fp8_gemm_hopper as hopper
+from mt_ops.fp8_quant import Fp8Quantized, row_tiles
+
+triton = pytest.importorskip("triton")
+
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+SM90_MAX_SHARED = 232448  # bytes of dynamic shared memory a block may use on the H100/H200
+pytestmark = pytest.mark.skipif(
+    not hopper.HAS_GLUON
+    or torch.cuda.is_available()
+    or not (PTXAS.exists() or shutil.which("ptxas")),
+    reason="compiles with a stand-in driver (GPU machines run the kernels in test_fp8_gemm.py)",
+)
+
+
+class _Sm90Driver:
+    """The parts of Triton's active driver that compiling (not launching) asks for."""
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget  # noqa: PLC0415
+
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    """Routes the kernels' launches to compilation; yields the list of (flags, kernel)."""
+    from triton.runtime import driver  # noqa: PLC0415
+
+    results = []
+
+    def compile_only(kernel, grid, *args, **kwargs):
+        flags = {k: v for k, v in kwargs.items() if k.isupper()}
+        results.append((kernel.fn.__name__, flags, kernel.warmup(*args, grid=grid, **kwargs)))
+
+    monkeypatch.setattr(hopper, "_launch", compile_only)
+    monkeypatch.setattr(hopper, "num_sms", lambda device: 132)
+    previous = driver._active  # None until first used; reset_active() would build a CUDA one
+    driver.set_active(_Sm90Driver())
+    try:
+        yield results
+    finally:
+        driver.set_active(previous)
+        for kernel in (hopper._grouped_gemm_kernel, hopper._grouped_wgrad_kernel):
+            kernel.device_caches.clear()  # nothing compiled for the stand-in is launched
+
+
+def _expected_tx(name: str) -> int:
+    a_tile, b_tile = 128 * 128, 256 * 128  # fp8 bytes of A [128, 128] and B [256, 128]
+    scale_rows = (128 + 256) * 4  # wgrad: the K step's fp32 scale rows of A and B
+    return a_tile + b_tile + (scale_rows if name == "_grouped_wgrad_kernel" else 0)
+
+
+def test_every_variant_compiles_for_sm90_within_its_limits(compiled):
+    rows, k_dim, n_dim, groups = 1024, 768, 2048, 8
+    tiles = row_tiles(torch.full((groups,), rows // groups), rows)
+    fp8 = torch.float8_e4m3fn
+    a = Fp8Quantized(torch.zeros(rows, k_dim, dtype=fp8), torch.ones(rows, k_dim // 128))
+    b = Fp8Quantized(
+        torch.zeros(groups, n_dim, k_dim, dtype=fp8), torch.ones(groups, n_dim // 128, k_dim // 128)
+    )
+    for out_dtype in (torch.bfloat16, torch.float32):
+        out = torch.empty(rows, n_dim, dtype=out_dtype)
+        hopper.grouped_gemm(a, b, tiles, out)
+        hopper.grouped_gemm(a, b, tiles, out, second=(a, b))
+    cols = 128 * tiles.num_tiles
+    a_t = Fp8Quantized(torch.zeros(n_dim, cols, dtype=fp8), torch.ones(tiles.num_tiles, n_dim))
+    b_t = Fp8Quantized(torch.zeros(k_dim, cols, dtype=fp8), torch.ones(tiles.num_tiles, k_dim))
+    hopper.grouped_wgrad(
+        a_t, b_t, tiles, torch.empty(groups, n_dim, k_dim, dtype=torch.bfloat16), False
+    )
+    hopper.grouped_wgrad(a_t, b_t, tiles, torch.empty(groups, n_dim, k_dim), False)
+    hopper.grouped_wgrad(a_t, b_t, tiles, torch.empty(groups, n_dim, k_dim), True)
+
+    seen = {(name, tuple(sorted(flags.items()))) for name, flags, _ in compiled}
+    assert len(seen) == 7  # 4 fprop/dgrad variants (second pair, TMA store), 3 wgrad
+    for name, flags, kernel in compiled:
+        ptx = kernel.asm["ptx"]
+        assert kernel.metadata.shared <= SM90_MAX_SHARED, (name, flags, kernel.metadata.shared)
+        expected = {f"{_expected_tx(name)}"}
+        assert set(re.findall(r"expect_tx\.shared\.b64 _, \[%r\d+\], (\d+);", ptx)) == expected
+        maxnreg = set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+);", ptx))
+        assert {str(hopper._CONSUMER_REGS), str(hopper._LOADER_REGS)} <= maxnreg, (name, flags)
+        assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+        if flags.get("TMA_STORE"):
+            assert "cp.async.bulk.tensor.2d.global.shared" in ptx  # the epilogue's TMA stores
