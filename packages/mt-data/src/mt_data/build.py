@@ -18,7 +18,8 @@ rebuilds the others, so the final directory is byte-identical to an uninterrupte
 build's.
 
 One build at a time writes a directory (an exclusive `flock` on it, where the file
-system supports one). When a build rewrites a shard the old manifest lists, it removes
+system supports one); holding it, a build first removes the temporary files a killed
+build left there. When a build rewrites a shard the old manifest lists, it removes
 that manifest first, so readers refuse the directory until the new one is written;
 a build that only adds shards leaves the old corpus readable. Shards of earlier builds
 that the new manifest no longer lists are removed, with their records, after it is
@@ -245,9 +246,13 @@ def input_fingerprint(path: Path) -> dict[str, Any]:
 
 
 @contextmanager
-def build_lock(out: Path) -> Iterator[None]:
+def build_lock(out: Path) -> Iterator[bool]:
     """Hold the exclusive build lock of corpus directory `out` (a `flock` on the
     directory itself, so no lock file is left behind; released if the process dies).
+
+    Yields:
+        True when the lock is held; False (after a warning) where the file system has
+        no `flock`, so another build may be writing `out` too.
 
     Raises:
         ValueError: If another build holds it.
@@ -266,9 +271,35 @@ def build_lock(out: Path) -> Iterator[None]:
                 f"{out}: cannot lock the directory ({e}); make sure no other build writes it",
                 stacklevel=3,
             )
-        yield
+            yield False
+        else:
+            yield True
     finally:
         os.close(fd)
+
+
+def remove_partial_files(out: Path) -> list[str]:
+    """Remove the temporary files an interrupted build (`kill -9`, a power cut) left in
+    `out`, returning their paths relative to it.
+
+    Only names a build writes and renames away are removed: `<shard>.bin.tmp`,
+    `<shard>.idx.tmp`, `manifest.json.tmp` and `.mt-data/<shard>.json.tmp`; a finished
+    file never has one. A rerun of the same build overwrites them anyway; these are the
+    ones of shards it no longer builds. Call it only while holding `build_lock(out)`:
+    a running build's temporaries have the same names.
+    """
+    partial = [
+        *out.glob("*.bin.tmp"),
+        *out.glob("*.idx.tmp"),
+        out / f"{MANIFEST_NAME}.tmp",
+        *(out / RECORD_DIR).glob("*.json.tmp"),
+    ]
+    removed = []
+    for path in partial:
+        if path.is_file() or path.is_symlink():
+            path.unlink()
+            removed.append(str(path.relative_to(out)))
+    return removed
 
 
 def remove_stale_shards(out: Path, keep: set[str]) -> list[str]:
@@ -434,7 +465,9 @@ def build_corpus(
         "bos_id": loaded.bos_id,
         "text_key": text_key,
     }
-    with build_lock(out):
+    with build_lock(out) as locked:
+        if locked:  # without the lock, they may be another build's files in progress
+            remove_partial_files(out)
         previous = check_tokenizer(out, settings["tokenizer_sha256"], loaded.path)
         names = shard_names(files)
         done: dict[int, ShardSummary] = {}

@@ -1,0 +1,119 @@
+"""What a crashed build leaves behind, and what the next build does with it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mt_data import build_corpus
+from mt_data.build import build_lock
+from mt_data.default_corpus import default_tokenizer_path, iter_default_documents
+
+# The names an interrupted build can leave: a shard's temporaries, a build record's and
+# the manifest's (of a shard `gone` whose input the rerun no longer has).
+PARTIAL_FILES = ("gone.bin.tmp", "gone.idx.tmp", ".mt-data/gone.json.tmp", "manifest.json.tmp")
+
+
+def _write_jsonl(path: Path, texts: list[str]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+    return path
+
+
+def _build(inputs, output, **kwargs):
+    kwargs.setdefault("workers", 0)
+    return build_corpus(inputs, default_tokenizer_path(), output, progress=False, **kwargs)
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(directory)): p.read_bytes()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+
+
+def _leave_partial_files(out: Path) -> None:
+    for name in PARTIAL_FILES:
+        (out / name).write_bytes(b"half-written")
+
+
+def test_a_rerun_removes_the_partial_files_of_a_crashed_build_and_nothing_finished(tmp_path):
+    a = _write_jsonl(tmp_path / "in" / "a.jsonl", ["def f(): pass", "x = 1"])
+    b = _write_jsonl(tmp_path / "in" / "b.jsonl", ["y = 2"])
+    out = tmp_path / "out"
+    _build([a, b], out)
+    finished = _files(out)
+    _leave_partial_files(out)
+    (out / "notes.tmp").write_text("not written by mt-data")  # no name a build writes
+    summary = _build([a, b], out)
+    assert summary.num_resumed == 2
+    assert _files(out) == {**finished, "notes.tmp": b"not written by mt-data"}
+
+
+def test_partial_files_are_left_to_a_build_that_holds_the_lock(tmp_path):
+    a = _write_jsonl(tmp_path / "in" / "a.jsonl", ["x = 1"])
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".mt-data").mkdir()
+    _leave_partial_files(out)
+    with (
+        build_lock(out),  # another build is writing these files right now
+        pytest.raises(ValueError, match="another mt-data build is writing"),
+    ):
+        _build([a], out)
+    assert all((out / name).read_bytes() == b"half-written" for name in PARTIAL_FILES)
+
+
+def test_without_a_lock_partial_files_are_not_removed(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    a = _write_jsonl(tmp_path / "in" / "a.jsonl", ["x = 1"])
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".mt-data").mkdir()
+    _leave_partial_files(out)
+    with pytest.warns(UserWarning, match="cannot lock the directory"):
+        _build([a], out)
+    # Another build may be writing them: without a lock there is no telling.
+    assert (out / "gone.bin.tmp").read_bytes() == b"half-written"
+
+
+def test_a_build_killed_mid_shard_leaves_no_partial_file_after_the_next_build(tmp_path):
+    texts: list[str] = []
+    for source in iter_default_documents():
+        texts.append(source)
+        if sum(map(len, texts)) > 2_000_000:
+            break
+    big = _write_jsonl(tmp_path / "in" / "big.jsonl", texts)
+    small = _write_jsonl(tmp_path / "in" / "small.jsonl", ["x = 1"])
+    out = tmp_path / "out"
+    command = [
+        sys.executable, "-m", "mt_data", "build", str(big), "--output", str(out),
+        "--tokenizer", str(default_tokenizer_path()), "--workers", "0", "--no-progress",
+    ]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while process.poll() is None and time.monotonic() < deadline:
+        if (out / "big.bin.tmp").is_file() and (out / "big.bin.tmp").stat().st_size > 0:
+            break
+        time.sleep(0.005)
+    assert process.poll() is None, "the build finished before it could be killed"
+    os.kill(process.pid, signal.SIGKILL)  # no clean-up at all
+    process.wait()
+    assert (out / "big.bin.tmp").is_file()
+    assert not (out / "big.idx").exists() and not (out / "manifest.json").exists()
+    _build([small], out)  # the big input is dropped from the build
+    assert sorted(_files(out)) == [".mt-data/small.json", "manifest.json", "small.bin", "small.idx"]
