@@ -423,7 +423,8 @@ def build_corpus(
         inputs: Files, directories or glob patterns of `.jsonl`, `.jsonl.zst`,
             `.jsonl.zstd` and (with pyarrow installed) `.parquet`.
         tokenizer: A tokenizer.json, or a directory holding tokenizer.json (and a
-            tokenizer_config.json naming `eos_token`).
+            tokenizer_config.json or special_tokens_map.json naming `eos_token`; see
+            `load_tokenizer` for where else EOS is looked for).
         output: The corpus directory; created if missing. Shards already complete in it
             are kept, so rerunning an interrupted build resumes it.
         text_key: The JSON field (Parquet column) holding each document's text.
@@ -432,8 +433,8 @@ def build_corpus(
         workers: Tokenizer worker processes; None uses `default_workers()`, 0 works in
             this process (with the tokenizer's own threads). The output does not depend
             on it.
-        eos_token: EOS token text, overriding tokenizer_config.json.
-        bos: Prepend BOS to each document: False, True (config's `bos_token`), or its text.
+        eos_token: EOS token text, overriding the tokenizer's files.
+        bos: Prepend BOS to each document: False, True (the files' `bos_token`), or its text.
         progress: Show a progress bar (MB/s, ETA, documents/s, tokens/s) on stderr.
 
     Returns:

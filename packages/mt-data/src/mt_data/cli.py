@@ -56,7 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument(
         "--tokenizer",
         required=True,
-        help="tokenizer.json, or a directory holding it and tokenizer_config.json (eos_token)",
+        help="tokenizer.json, or a directory holding it (and tokenizer_config.json or "
+        "special_tokens_map.json naming eos_token)",
     )
     build.add_argument("--output", required=True, metavar="DIR", help="corpus directory")
     build.add_argument(
@@ -81,13 +82,15 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument(
         "--eos-token",
         default=None,
-        help="EOS token text (default: tokenizer_config.json's eos_token; without that file, "
-        f"the first of {', '.join(FALLBACK_EOS_TOKENS)} in the vocabulary)",
+        help="EOS token text (default: eos_token of tokenizer_config.json, else of "
+        "special_tokens_map.json, else the first of "
+        f"{', '.join(FALLBACK_EOS_TOKENS)} in the vocabulary)",
     )
     build.add_argument(
         "--bos",
         action="store_true",
-        help="prepend tokenizer_config.json's bos_token to every document",
+        help="prepend the bos_token of tokenizer_config.json (or special_tokens_map.json) "
+        "to every document",
     )
     build.add_argument(
         "--bos-token",

@@ -17,13 +17,17 @@ from tokenizers import Tokenizer
 
 __all__ = [
     "FALLBACK_EOS_TOKENS",
+    "SPECIAL_TOKEN_FILES",
     "LoadedTokenizer",
     "TokenizerSpec",
     "load_tokenizer",
     "read_tokenizer",
 ]
 
-# Tried in order when no tokenizer_config.json names the EOS token.
+# The files beside a tokenizer.json that may name its special tokens, in the order they
+# are asked (`eos_token`, `bos_token`: a string or an AddedToken dict).
+SPECIAL_TOKEN_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+# Tried in order when none of SPECIAL_TOKEN_FILES names the EOS token.
 FALLBACK_EOS_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
 
 
@@ -33,9 +37,10 @@ class TokenizerSpec:
 
     Attributes:
         path: A tokenizer.json or a directory holding one.
-        eos_token: EOS override; None takes `eos_token` of tokenizer_config.json.
-        bos: Prepend a BOS token: False, True (`bos_token` of tokenizer_config.json),
-            or the token's text.
+        eos_token: EOS override; None takes `eos_token` of tokenizer_config.json (or
+            special_tokens_map.json, or a known EOS in the vocabulary: `load_tokenizer`).
+        bos: Prepend a BOS token: False, True (`bos_token` of tokenizer_config.json or
+            special_tokens_map.json), or the token's text.
     """
 
     path: str
@@ -102,7 +107,23 @@ def _token_from_config(config_path: Path, key: str) -> str | None:
     token = config.get(key) if isinstance(config, dict) else None
     if isinstance(token, dict):  # the AddedToken form: {"content": "</s>", ...}
         token = token.get("content")
-    return token if isinstance(token, str) else None
+    return token if isinstance(token, str) and token else None
+
+
+def _special_token(file: Path, key: str) -> tuple[str | None, str]:
+    """`key` (`eos_token`, `bos_token`) from the first of `SPECIAL_TOKEN_FILES` beside
+    `file` that names it: (token, that file), or (None, what was looked at)."""
+    looked = []
+    for name in SPECIAL_TOKEN_FILES:
+        path = file.parent / name
+        if not path.is_file():
+            looked.append(f"there is no {name}")
+            continue
+        token = _token_from_config(path, key)
+        if token is not None:
+            return token, str(path)
+        looked.append(f"{path} names no {key!r}")
+    return None, ", ".join(looked)
 
 
 def read_tokenizer(path: str | Path) -> tuple[Tokenizer, Path]:
@@ -137,15 +158,17 @@ def load_tokenizer(
     """Read a tokenizer.json (or a directory holding one) and resolve its EOS token.
 
     The EOS token is `eos_token` when given, else `eos_token` of the
-    `tokenizer_config.json` beside the tokenizer.json when there is one, else the first
-    of `FALLBACK_EOS_TOKENS` in the vocabulary.
+    `tokenizer_config.json` beside the tokenizer.json, else that of its
+    `special_tokens_map.json` (as `transformers` reads a model directory), else the first
+    of `FALLBACK_EOS_TOKENS` in the vocabulary (added tokens included).
 
     Args:
         path: A `tokenizer.json` file, or a directory (a Hugging Face model directory)
             holding `tokenizer.json` and usually `tokenizer_config.json`.
         eos_token: The EOS token's text, overriding the config.
         bos: Prepend a BOS token to every document: False (default), True for
-            `bos_token` of tokenizer_config.json, or the token's text.
+            `bos_token` of tokenizer_config.json (or special_tokens_map.json), or the
+            token's text.
 
     Returns:
         The loaded tokenizer with its EOS id and vocabulary size.
@@ -160,32 +183,28 @@ def load_tokenizer(
     # 512, pad to the batch's longest): documents would be cut short or padded, silently.
     tokenizer.no_truncation()
     tokenizer.no_padding()
-    config_path = file.parent / "tokenizer_config.json"
     if eos_token is not None:
         source = "the eos_token argument"
-    elif config_path.is_file():
-        eos_token = _token_from_config(config_path, "eos_token")
-        if eos_token is None:
-            raise ValueError(
-                f"{config_path}: has no string 'eos_token'; add one or pass eos_token (--eos-token)"
-            )
-        source = str(config_path)
     else:
+        eos_token, source = _special_token(file, "eos_token")
+    if eos_token is None:
         vocab = tokenizer.get_vocab(with_added_tokens=True)
         eos_token = next((t for t in FALLBACK_EOS_TOKENS if t in vocab), None)
         if eos_token is None:
             raise ValueError(
-                f"{file}: cannot find the EOS token: there is no tokenizer_config.json beside "
-                f"it and none of {FALLBACK_EOS_TOKENS} is in the vocabulary; write a "
-                'tokenizer_config.json with {"eos_token": "..."} next to it'
+                f"{file}: cannot find the EOS token: {source}, and none of "
+                f"{', '.join(FALLBACK_EOS_TOKENS)} is in its vocabulary; pass the token that "
+                "ends a document as --eos-token TOKEN (eos_token= in Python), or add "
+                f'"eos_token" to {file.parent / SPECIAL_TOKEN_FILES[0]}'
             )
         source = "the fallback list"
     eos_id = tokenizer.token_to_id(eos_token)
     if eos_id is None:
         raise ValueError(
-            f"EOS token {eos_token!r} (from {source}) is not in the vocabulary of {file}"
+            f"EOS token {eos_token!r} (from {source}) is not in the vocabulary of {file}; "
+            "pass the token that ends a document as --eos-token TOKEN (eos_token= in Python)"
         )
-    bos_token, bos_id = _resolve_bos(tokenizer, file, config_path, bos)
+    bos_token, bos_id = _resolve_bos(tokenizer, file, bos)
     return LoadedTokenizer(
         tokenizer=tokenizer,
         path=file,
@@ -204,21 +223,17 @@ def _vocab_size(tokenizer: Tokenizer) -> int:
 
 
 def _resolve_bos(
-    tokenizer: Tokenizer, file: Path, config_path: Path, bos: bool | str
+    tokenizer: Tokenizer, file: Path, bos: bool | str
 ) -> tuple[str | None, int | None]:
     if bos is False:
         return None, None
     if bos is True:
-        if not config_path.is_file():
-            raise ValueError(
-                f"bos=True (--bos) takes 'bos_token' from a tokenizer_config.json, but there "
-                f"is none beside {file}; pass the BOS token's text instead (--bos-token TOKEN)"
-            )
-        token = _token_from_config(config_path, "bos_token")
+        token, looked = _special_token(file, "bos_token")
         if token is None:
             raise ValueError(
-                f"bos=True (--bos) but {config_path} names no 'bos_token'; add one or pass "
-                "the BOS token's text instead (--bos-token TOKEN)"
+                f"bos=True (--bos) takes 'bos_token' from {' or '.join(SPECIAL_TOKEN_FILES)} "
+                f"beside {file}, but {looked}; pass the BOS token's text instead "
+                "(--bos-token TOKEN)"
             )
     elif isinstance(bos, str) and bos:
         token = bos

@@ -1,0 +1,90 @@
+"""Where the EOS (and BOS) token comes from in a Hugging Face tokenizer directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tokenizers import AddedToken, Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+
+from mt_data import IndexedDataset
+from mt_data.cli import main
+from mt_data.tokenizer import load_tokenizer
+
+
+def _tokenizer_dir(directory: Path, **files: object) -> Path:
+    """A model directory: a word-level tokenizer.json whose special tokens, `<s>` and
+    `<eot>`, are added tokens and none of the usual EOS names, plus `files` as JSON
+    (`tokenizer_config`, `special_tokens_map`)."""
+    tokenizer = Tokenizer(WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = Whitespace()
+    tokenizer.add_special_tokens(
+        [AddedToken("<s>", special=True), AddedToken("<eot>", special=True)]
+    )
+    directory.mkdir(parents=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    for name, content in files.items():
+        (directory / f"{name}.json").write_text(json.dumps(content))
+    return directory
+
+
+def test_eos_missing_from_tokenizer_config_comes_from_special_tokens_map(tmp_path):
+    directory = _tokenizer_dir(
+        tmp_path / "tok",
+        tokenizer_config={"model_max_length": 2048, "eos_token": None},
+        special_tokens_map={"bos_token": "<s>", "eos_token": {"content": "<eot>"}},
+    )
+    loaded = load_tokenizer(directory, bos=True)
+    assert (loaded.eos_token, loaded.eos_id) == ("<eot>", 4)
+    assert (loaded.bos_token, loaded.bos_id) == ("<s>", 3)
+
+
+def test_tokenizer_config_wins_over_special_tokens_map(tmp_path):
+    directory = _tokenizer_dir(
+        tmp_path / "tok",
+        tokenizer_config={"eos_token": "<s>"},
+        special_tokens_map={"eos_token": "<eot>"},
+    )
+    assert load_tokenizer(directory).eos_token == "<s>"
+
+
+def test_eos_missing_from_tokenizer_config_falls_back_to_a_known_token_in_the_vocabulary(
+    tmp_path,
+):
+    directory = tmp_path / "tok"
+    tokenizer = Tokenizer(WordLevel({"[UNK]": 0, "hello": 1}, unk_token="[UNK]"))
+    tokenizer.add_special_tokens(["</s>"])
+    directory.mkdir()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text('{"model_max_length": 512}')
+    loaded = load_tokenizer(directory)
+    assert (loaded.eos_token, loaded.eos_id) == ("</s>", 2)
+
+
+def test_an_eos_found_nowhere_is_an_error_naming_the_files_and_the_option(tmp_path):
+    directory = _tokenizer_dir(
+        tmp_path / "tok", tokenizer_config={"model_max_length": 2048}
+    ).resolve()
+    with pytest.raises(ValueError) as err:
+        load_tokenizer(directory)
+    message = str(err.value)
+    assert str(directory / "tokenizer_config.json") in message
+    assert "special_tokens_map.json" in message
+    assert "eos_token" in message and "--eos-token" in message
+    assert load_tokenizer(directory, eos_token="<eot>").eos_id == 4
+
+
+def test_cli_build_with_an_eos_found_nowhere_exits_2_naming_the_option(tmp_path, capsys):
+    directory = _tokenizer_dir(tmp_path / "tok")  # no config file at all
+    data = tmp_path / "a.jsonl"
+    data.write_text('{"text": "hello world"}\n')
+    argv = ["build", str(data), "--tokenizer", str(directory), "--output", str(tmp_path / "out"),
+            "--workers", "0", "--no-progress"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--eos-token" in err and "tokenizer_config.json" in err
+    assert main([*argv, "--eos-token", "<eot>"]) == 0
+    assert IndexedDataset(tmp_path / "out" / "a")[0].tolist() == [1, 2, 4]
