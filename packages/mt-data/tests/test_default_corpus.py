@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 
 import numpy as np
 import pytest
 
 import mt_data.default_corpus as default_corpus
 from mt_data import IndexedDataset, TokenDataset, default_corpus_dir, default_tokenizer_path
+from mt_data.build import build_lock
 from mt_data.cli import main
 
 
@@ -90,6 +93,39 @@ def test_a_default_corpus_directory_without_manifest_is_rebuilt(tmp_path, monkey
     assert default_corpus_dir(tmp_path) == corpus
     assert (corpus / "manifest.json").is_file()
     assert len(IndexedDataset(corpus / "stdlib")) == 2
+
+
+def test_temporary_directories_of_killed_default_builds_are_removed_by_the_next_call(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(default_corpus, "iter_default_documents", _small_documents)
+    parent = tmp_path / "corpus"
+    parent.mkdir()
+
+    def build_directory(name: str, age_seconds: float):
+        directory = parent / name
+        directory.mkdir()
+        (directory / "stdlib.bin.tmp").write_bytes(b"half-written")
+        then = time.time() - age_seconds
+        os.utime(directory, (then, then))
+        return directory
+
+    build_directory(".stdlib-py3.11-0123456789ab.tmp-killed", 3600)  # kill -9 an hour ago
+    build_directory(".stdlib-py3.12-ba9876543210.tmp-killed", 3600)  # another Python's
+    # Just made by a build that has not locked it yet, and one a running build holds.
+    new = build_directory(".stdlib-py3.11-0123456789ab.tmp-new", 1)
+    running = build_directory(".stdlib-py3.11-0123456789ab.tmp-running", 3600)
+    (parent / "notes").mkdir()  # not a default build's
+    with build_lock(running):
+        corpus = default_corpus_dir(tmp_path)
+    assert sorted(p.name for p in parent.iterdir()) == sorted(
+        [corpus.name, new.name, running.name, "notes"]
+    )
+    assert (running / "stdlib.bin.tmp").read_bytes() == b"half-written"
+    build_directory(".stdlib-py3.11-0123456789ab.tmp-killed-later", 3600)
+    # Cached, and the debris goes all the same; the lock released, `running` is debris too.
+    assert default_corpus_dir(tmp_path) == corpus
+    assert sorted(p.name for p in parent.iterdir()) == sorted([corpus.name, new.name, "notes"])
 
 
 def test_cli_build_default_writes_the_corpus_into_output(tmp_path, monkeypatch, capsys):

@@ -12,12 +12,14 @@ is renamed when complete; a directory holding `manifest.json` is complete.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
 import sys
 import sysconfig
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -57,6 +59,10 @@ _DEFAULT_CORPUS_NAMES = frozenset(
         f"{MANIFEST_NAME}.tmp",
     }
 )
+# A default build's temporary directory (`.<final name>.tmp-<random>`) no build holds the
+# lock of and untouched this long is a killed build's. The age covers the moment between
+# its creation and `build_lock`; a build takes seconds.
+_ABANDONED_AFTER_SECONDS = 600
 # Directories skipped anywhere below the standard library root: third-party code,
 # test suites (large and full of deliberately odd code), tools not worth learning, and
 # generated data rather than code: `encodings` (1.4 MB of codec tables) and `pydoc_data`
@@ -218,7 +224,8 @@ def default_corpus_dir(
     `cache_dir`, else `$MT_CACHE_DIR`, else `~/.cache/moetrain`, and the hash covers the
     tokenizer and the file list. It is built in a temporary sibling directory and renamed
     into place when complete, so a crashed or concurrent build never leaves a partial
-    corpus under the final name.
+    corpus under the final name; later calls remove the temporary directories of killed
+    builds.
 
     Args:
         cache_dir: Root of the cache; None uses `$MT_CACHE_DIR` or `~/.cache/moetrain`.
@@ -231,6 +238,7 @@ def default_corpus_dir(
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     parent = _cache_root(cache_dir) / "corpus"
     final = parent / f"stdlib-py{version}-{_corpus_key()}"
+    _remove_abandoned_builds(parent)
     if (final / MANIFEST_NAME).is_file():
         return final
     if on_build is not None:
@@ -250,3 +258,26 @@ def default_corpus_dir(
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _remove_abandoned_builds(parent: Path) -> None:
+    """Remove the temporary directories of default builds killed (`kill -9`, a power cut)
+    before they were renamed into place: each holds a partial corpus (~10 MB) and would
+    stay forever. One a build holds the lock of, or touched in the last
+    `_ABANDONED_AFTER_SECONDS`, is left alone."""
+    if not parent.is_dir():
+        return
+    for directory in parent.glob(".stdlib-py*.tmp-*"):
+        try:
+            if time.time() - directory.stat().st_mtime < _ABANDONED_AFTER_SECONDS:
+                continue
+            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:  # gone meanwhile (its build finished), or not a directory
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails while a build holds it
+            shutil.rmtree(directory, ignore_errors=True)
+        except OSError:  # locked, or no flock here: it may be in use
+            continue
+        finally:
+            os.close(fd)
