@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -117,3 +118,25 @@ def test_a_build_killed_mid_shard_leaves_no_partial_file_after_the_next_build(tm
     assert not (out / "big.idx").exists() and not (out / "manifest.json").exists()
     _build([small], out)  # the big input is dropped from the build
     assert sorted(_files(out)) == [".mt-data/small.json", "manifest.json", "small.bin", "small.idx"]
+
+
+def _limit_file_size() -> None:  # in the child: writes past 100 kB fail as a full disk does
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG from write(), not a kill
+
+
+@pytest.mark.skipif(not hasattr(resource, "RLIMIT_FSIZE"), reason="needs RLIMIT_FSIZE")
+def test_cli_build_out_of_space_names_the_file_and_says_to_rerun(tmp_path):
+    texts = [t for _, t in zip(range(40), iter_default_documents(), strict=False)]
+    data = _write_jsonl(tmp_path / "in" / "a.jsonl", texts)
+    out = tmp_path / "out"
+    command = [
+        sys.executable, "-m", "mt_data", "build", str(data), "--output", str(out),
+        "--tokenizer", str(default_tokenizer_path()), "--workers", "0", "--no-progress",
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, preexec_fn=_limit_file_size)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert str(out / "a.bin.tmp") in result.stderr
+    assert "rerun the same command" in result.stderr
+    assert not list(out.glob("*.tmp"))

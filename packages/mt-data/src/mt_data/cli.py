@@ -12,6 +12,7 @@ User mistakes print one line on stderr and exit with status 2, never a traceback
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from collections.abc import Sequence
@@ -30,6 +31,8 @@ __all__ = ["main"]
 _EXIT_BROKEN_PIPE = 141
 # Bad lines printed with file:line after a build (all are counted).
 _PRINTED_BAD_LINES = 20
+# A full disk, a full quota, a file size limit: errors a rerun resumes from.
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -225,7 +228,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return _EXIT_BROKEN_PIPE
     except (ValueError, OSError) as e:  # FileNotFoundError, CorpusError, ... are in here
-        print(f"mt-data {args.command}: error: {e}", file=sys.stderr)
+        hint = ""
+        if args.command == "build" and isinstance(e, OSError) and e.errno in _NO_SPACE:
+            hint = (
+                "; free space there (or choose another --output) and rerun the same command "
+                "to resume: finished shards are kept"
+            )
+        print(f"mt-data {args.command}: error: {e}{hint}", file=sys.stderr)
         return 2
     except BrokenProcessPool:
         print(

@@ -36,7 +36,8 @@ import errno
 import os
 import resource
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 
@@ -49,6 +50,7 @@ __all__ = [
     "IndexedDataset",
     "IndexedDatasetWriter",
     "fsync_directory",
+    "naming_file",
     "token_dtype",
 ]
 
@@ -103,6 +105,24 @@ def fsync_directory(path: str | Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+@contextmanager
+def naming_file(path: Path) -> Iterator[None]:
+    """Add `path` to an OSError raised without a file name inside the block.
+
+    `write`, `flush` and `fsync` on an open file raise `[Errno 28] No space left on
+    device` naming no file, so the user could not tell which disk filled up.
+
+    Args:
+        path: The file the block writes.
+    """
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None or e.errno is None:
+            raise
+        raise type(e)(e.errno, e.strerror, str(path)) from e
 
 
 def _paths(path_prefix: str | Path) -> tuple[Path, Path]:
@@ -213,8 +233,10 @@ class IndexedDatasetWriter:
                     f"token ids in [{low}, {high}] do not fit {self.dtype} "
                     f"(range {self._bounds}); pick the dtype with token_dtype(vocab_size)"
                 )
-        self._bin_file.write(tokens.astype(self.dtype, copy=False).tobytes())
-        self._idx_file.write(lengths.astype("<i4").tobytes())
+        with naming_file(self._bin_tmp):
+            self._bin_file.write(tokens.astype(self.dtype, copy=False).tobytes())
+        with naming_file(self._idx_tmp):
+            self._idx_file.write(lengths.astype("<i4").tobytes())
         self._num_documents += int(lengths.size)
 
     def finalize(self) -> None:
@@ -227,10 +249,12 @@ class IndexedDatasetWriter:
             raise ValueError(f"writer for {self.idx_path} is already finalized or aborted")
         self._done = True
         try:
-            self._bin_file.flush()
-            os.fsync(self._bin_file.fileno())
-            self._bin_file.close()
-            self._write_index_tail()
+            with naming_file(self._bin_tmp):
+                self._bin_file.flush()
+                os.fsync(self._bin_file.fileno())
+                self._bin_file.close()
+            with naming_file(self._idx_tmp):
+                self._write_index_tail()
             # .bin first, .idx last: a final .idx (with its .bin) means a finished shard.
             # An older .idx goes before its .bin is replaced: with the new .bin it would
             # read as a shard with the old document lengths.

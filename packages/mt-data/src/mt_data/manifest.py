@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mt_data.indexed import fsync_directory, token_dtype
+from mt_data.indexed import fsync_directory, naming_file, token_dtype
 
 if TYPE_CHECKING:
     from mt_data.shards import ShardSummary
@@ -61,7 +61,7 @@ def file_sha256(path: str | Path) -> str:
 def _write_json_atomic(path: Path, data: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
+        with naming_file(tmp), open(tmp, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=2, sort_keys=True)
             f.write("\n")
             f.flush()
