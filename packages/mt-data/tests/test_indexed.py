@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import gc
 import os
+import resource
 import struct
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -73,6 +77,33 @@ def test_unfinished_writer_leaves_only_tmp_files(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.bin.tmp", "s.idx.tmp"]
     writer.finalize()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.bin", "s.idx"]
+
+
+@pytest.mark.skipif(not hasattr(resource, "RLIMIT_FSIZE"), reason="needs RLIMIT_FSIZE")
+def test_a_disk_full_while_writing_leaves_no_temporaries_and_names_the_file(tmp_path):
+    # Small documents stay in the file's buffer: the write that fails is a flush, and
+    # closing the file on the way out tries (and fails) to flush them again.
+    script = textwrap.dedent(
+        """
+        import resource, signal, sys
+        import numpy as np
+        from mt_data import IndexedDatasetWriter
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG from write(), as ENOSPC
+        resource.setrlimit(resource.RLIMIT_FSIZE, (10_000, 10_000))
+        try:
+            with IndexedDatasetWriter(sys.argv[1], np.uint16) as writer:
+                for _ in range(1000):
+                    writer.add_document(np.arange(100))
+        except OSError as e:
+            print(e)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "s")], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"[Errno 27] File too large: '{tmp_path / 's.bin.tmp'}'"
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_crash_between_the_renames_of_a_replaced_shard_leaves_no_shard_not_a_torn_one(

@@ -37,7 +37,7 @@ import os
 import resource
 import struct
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from types import TracebackType
 
@@ -299,7 +299,7 @@ class IndexedDatasetWriter:
 
     def _remove_temporaries(self) -> None:
         for f in (self._bin_file, self._idx_file):
-            if not f.closed:
+            with suppress(OSError):  # flushing what is buffered failed again (a full disk)
                 f.close()
         for tmp in (self._bin_tmp, self._idx_tmp):
             tmp.unlink(missing_ok=True)
