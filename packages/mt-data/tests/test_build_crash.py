@@ -73,6 +73,19 @@ def test_partial_files_are_left_to_a_build_that_holds_the_lock(tmp_path):
     assert all((out / name).read_bytes() == b"half-written" for name in PARTIAL_FILES)
 
 
+def test_a_refused_build_leaves_the_partial_files_too(tmp_path):
+    a = _write_jsonl(tmp_path / "in" / "a.jsonl", ["x = 1"])
+    out = tmp_path / "out"
+    _build([a], out)
+    _leave_partial_files(out)
+    other = tmp_path / "other" / "tokenizer.json"
+    other.parent.mkdir()
+    other.write_bytes(default_tokenizer_path().read_bytes() + b"\n")
+    with pytest.raises(ValueError, match="choose a new output directory"):
+        build_corpus([a], other, out, workers=0, progress=False)
+    assert all((out / name).read_bytes() == b"half-written" for name in PARTIAL_FILES)
+
+
 def test_without_a_lock_partial_files_are_not_removed(tmp_path, monkeypatch):
     import errno
     import fcntl

@@ -467,8 +467,6 @@ def build_corpus(
         "text_key": text_key,
     }
     with build_lock(out) as locked:
-        if locked:  # without the lock, they may be another build's files in progress
-            remove_partial_files(out)
         previous = check_tokenizer(out, settings["tokenizer_sha256"], loaded.path)
         names = shard_names(files)
         done: dict[int, ShardSummary] = {}
@@ -490,6 +488,8 @@ def build_corpus(
                 done[i] = summary
             else:
                 jobs.append((path, out / name))
+        if locked:  # only now, so that a refused build changes nothing; without the lock,
+            remove_partial_files(out)  # they may be another build's files in progress
         if _listed_shards(previous) & {prefix.name for _, prefix in jobs}:
             # A shard the manifest lists will be rewritten: until the new manifest the
             # directory is an unfinished build (readers refuse it). Otherwise the old
