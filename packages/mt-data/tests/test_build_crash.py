@@ -153,3 +153,14 @@ def test_cli_build_out_of_space_names_the_file_and_says_to_rerun(tmp_path):
     assert str(out / "a.bin.tmp") in result.stderr
     assert "rerun the same command" in result.stderr
     assert not list(out.glob("*.tmp"))
+
+
+def test_readers_call_a_first_build_killed_before_any_shard_unfinished(tmp_path):
+    from mt_data import TokenDataset
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "a.bin.tmp").write_bytes(b"\0" * 64)  # all a killed first build left
+    (out / "a.idx.tmp").write_bytes(b"\0" * 64)
+    with pytest.raises(ValueError, match=r"no shards.*has not finished \(a.idx.tmp\).*rerun"):
+        TokenDataset(out, seq_len=4)

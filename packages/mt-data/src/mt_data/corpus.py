@@ -93,6 +93,13 @@ def resolve_shards(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
         path = Path(item).expanduser()
         if path.is_dir():
             found = _directory_shards(path)
+            partial = sorted(p.name for p in path.glob("*.idx.tmp"))
+            if not found and partial:  # a first build killed before any shard was done
+                raise ValueError(
+                    f"data path {path} holds no shards (*.idx + *.bin), only the partial "
+                    f"files of a build that has not finished ({', '.join(partial[:3])}); "
+                    "unless it is still running, rerun that `mt-data build` command"
+                )
             if not found:
                 raise ValueError(
                     f"data path {path} holds no shards (*.idx + *.bin); build one with "
