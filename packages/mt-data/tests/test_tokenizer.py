@@ -88,3 +88,15 @@ def test_cli_build_with_an_eos_found_nowhere_exits_2_naming_the_option(tmp_path,
     assert "--eos-token" in err and "tokenizer_config.json" in err
     assert main([*argv, "--eos-token", "<eot>"]) == 0
     assert IndexedDataset(tmp_path / "out" / "a")[0].tolist() == [1, 2, 4]
+
+
+def test_a_model_directory_with_only_a_slow_tokenizer_says_how_to_get_tokenizer_json(tmp_path):
+    directory = tmp_path / "llama"
+    directory.mkdir()
+    (directory / "tokenizer.model").write_bytes(b"sentencepiece")  # no tokenizer.json
+    (directory / "tokenizer_config.json").write_text('{"eos_token": "</s>"}')
+    with pytest.raises(FileNotFoundError) as err:
+        load_tokenizer(directory)
+    message = str(err.value)
+    assert f"{directory.resolve() / 'tokenizer.json'}: no such file" in message
+    assert "tokenizer.model" in message and "save_pretrained" in message

@@ -27,6 +27,9 @@ __all__ = [
 # The files beside a tokenizer.json that may name its special tokens, in the order they
 # are asked (`eos_token`, `bos_token`: a string or an AddedToken dict).
 SPECIAL_TOKEN_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+# Files of tokenizers `transformers` reads without a tokenizer.json (sentencepiece, BPE
+# vocab + merges, WordPiece); it converts them and `save_pretrained` writes one.
+_SLOW_TOKENIZER_FILES = frozenset({"tokenizer.model", "vocab.json", "merges.txt", "vocab.txt"})
 # Tried in order when none of SPECIAL_TOKEN_FILES names the EOS token.
 FALLBACK_EOS_TOKENS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
 
@@ -143,6 +146,13 @@ def read_tokenizer(path: str | Path) -> tuple[Tokenizer, Path]:
     path = Path(path).expanduser().resolve()
     file = path / "tokenizer.json" if path.is_dir() else path
     if not file.is_file():
+        slow = [name for name in sorted(_SLOW_TOKENIZER_FILES) if (file.parent / name).is_file()]
+        if path.is_dir() and slow:
+            raise FileNotFoundError(
+                f"tokenizer {file}: no such file; {path} holds only a slow tokenizer "
+                f"({', '.join(slow)}); write its tokenizer.json with transformers: "
+                f"AutoTokenizer.from_pretrained({str(path)!r}).save_pretrained({str(path)!r})"
+            )
         raise FileNotFoundError(
             f"tokenizer {file}: no such file; pass a tokenizer.json or a directory holding one"
         )
