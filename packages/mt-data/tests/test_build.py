@@ -603,3 +603,15 @@ def test_upper_case_input_suffixes_are_read_and_lower_case_shard_names_stay_the_
     assert [len(IndexedDataset(tmp_path / "out" / n)) for n in "abc"] == [3, 2, 2]
     assert input_kind("x.PARQUET") == "parquet"
     assert input_kind("x.Jsonl.Zstd") == "jsonl"
+
+
+def test_a_rerun_with_other_settings_names_the_setting_its_option_and_both_values(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", TEXTS_A)
+    _build([a], tmp_path / "out")
+    with pytest.raises(ValueError) as err:
+        _build([a], tmp_path / "out", text_key="body", bos="<|endoftext|>")
+    message = str(err.value)
+    assert "text_key 'text' (--text-key), this build 'body'" in message
+    assert "bos_id None (--bos, --bos-token), this build 0" in message
+    assert "tokenizer_sha256" not in message and "eos_id" not in message  # unchanged
+    assert "choose a new output directory" in message

@@ -20,6 +20,13 @@ __all__ = ["MAX_REPORTED_BAD_LINES", "BuildSummary", "ShardSummary", "finished_s
 
 # At most this many bad lines per shard are kept (and printed) with file:line; all are counted.
 MAX_REPORTED_BAD_LINES = 100
+# The options of `mt-data build` that decide each build setting a shard records.
+_SETTING_OPTIONS = {
+    "tokenizer_sha256": "--tokenizer",
+    "eos_id": "--eos-token",
+    "bos_id": "--bos, --bos-token",
+    "text_key": "--text-key",
+}
 
 
 @dataclass
@@ -230,9 +237,17 @@ def finished_shard(
         summary.tokens,
     ):
         return None
-    if record.get("settings") != settings:
+    built = record.get("settings")
+    if built != settings:
+        built = built if isinstance(built, dict) else {}
+        changed = [key for key in settings if built.get(key) != settings[key]]
+        differences = "; ".join(
+            f"{key} {built.get(key)!r} ({_SETTING_OPTIONS.get(key, key)}), this build "
+            f"{settings[key]!r}"
+            for key in changed
+        )
         raise ValueError(
-            f"{prefix}.idx was built with settings {record.get('settings')}, this build uses "
-            f"{settings}; choose a new output directory"
+            f"{prefix}.idx was built with other settings: {differences or built}; pass the "
+            "settings it was built with to resume that build, or choose a new output directory"
         )
     return summary
