@@ -164,3 +164,15 @@ def test_readers_call_a_first_build_killed_before_any_shard_unfinished(tmp_path)
     (out / "a.idx.tmp").write_bytes(b"\0" * 64)
     with pytest.raises(ValueError, match=r"no shards.*has not finished \(a.idx.tmp\).*rerun"):
         TokenDataset(out, seq_len=4)
+
+
+def test_parquet_inputs_without_pyarrow_are_refused_before_any_shard_is_built(
+    tmp_path, monkeypatch
+):
+    a = _write_jsonl(tmp_path / "in" / "a.jsonl", ["x = 1"])
+    (tmp_path / "in" / "b.parquet").write_bytes(b"PAR1")
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow raises ImportError
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    with pytest.raises(ValueError, match=r"b.parquet.*needs pyarrow.*mt-data\[parquet\]"):
+        _build([a, tmp_path / "in" / "b.parquet"], tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -58,7 +58,7 @@ from mt_data.manifest import (
 )
 from mt_data.progress import BuildProgress
 from mt_data.shards import BuildSummary, ShardSummary, finished_shard, shard_names
-from mt_data.sources import RawBatch, ReadFailure, iter_batches, resolve_inputs
+from mt_data.sources import RawBatch, ReadFailure, check_readers, iter_batches, resolve_inputs
 from mt_data.tokenizer import LoadedTokenizer, TokenizerSpec, load_tokenizer
 
 __all__ = ["BuildSummary", "CorpusError", "ShardSummary", "build_corpus", "build_documents"]
@@ -456,6 +456,7 @@ def build_corpus(
     spec = TokenizerSpec(str(Path(tokenizer).expanduser().resolve()), eos_token, bos)
     loaded = load_tokenizer(spec.path, eos_token=eos_token, bos=bos)
     files = resolve_inputs(inputs)
+    check_readers(files)
     out = Path(output).expanduser()
     if out.exists() and not out.is_dir():
         raise ValueError(f"output {out} exists and is not a directory; choose another path")

@@ -18,6 +18,7 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Literal
 
 import zstandard
@@ -29,6 +30,7 @@ __all__ = [
     "BadLine",
     "RawBatch",
     "ReadFailure",
+    "check_readers",
     "input_stem",
     "iter_batches",
     "resolve_inputs",
@@ -267,13 +269,33 @@ def _iter_jsonl_batches(path: Path) -> Iterator[RawBatch | ReadFailure]:
         yield RawBatch(line, lines, "jsonl", consumed)
 
 
-def _iter_parquet_batches(path: Path, text_key: str) -> Iterator[RawBatch | ReadFailure]:
+def check_readers(files: Sequence[Path]) -> None:
+    """Refuse inputs this installation cannot read before a build starts, rather than
+    when it reaches them, maybe hours later.
+
+    Args:
+        files: Input files (`resolve_inputs`).
+
+    Raises:
+        ValueError: If a Parquet file is among them and pyarrow is not installed.
+    """
+    parquet = next((f for f in files if input_kind(f) == "parquet"), None)
+    if parquet is not None:
+        _import_parquet(parquet)
+
+
+def _import_parquet(path: Path) -> ModuleType:
     try:
         import pyarrow.parquet as pq
     except ImportError as e:
         raise ValueError(
             f"input {path}: reading Parquet needs pyarrow; pip install 'mt-data[parquet]'"
         ) from e
+    return pq
+
+
+def _iter_parquet_batches(path: Path, text_key: str) -> Iterator[RawBatch | ReadFailure]:
+    pq = _import_parquet(path)
     row = 1
     try:
         parquet = pq.ParquetFile(path)
