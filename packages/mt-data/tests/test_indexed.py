@@ -71,6 +71,22 @@ def test_writer_deletes_temporaries_when_an_exception_escapes(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_writer_that_cannot_open_its_index_leaves_no_temporaries(tmp_path, monkeypatch):
+    import builtins
+
+    import mt_data.indexed as indexed
+
+    def open_failing_for_the_index(file, *args, **kwargs):
+        if str(file).endswith(".idx.tmp"):
+            raise OSError(24, "Too many open files", str(file))
+        return builtins.open(file, *args, **kwargs)
+
+    monkeypatch.setattr(indexed, "open", open_failing_for_the_index, raising=False)
+    with pytest.raises(OSError, match="Too many open files"):
+        IndexedDatasetWriter(tmp_path / "s", np.uint16)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_unfinished_writer_leaves_only_tmp_files(tmp_path):
     writer = IndexedDatasetWriter(tmp_path / "s", np.uint16)
     writer.add_document([1, 2])

@@ -169,8 +169,18 @@ class IndexedDatasetWriter:
         self._bin_tmp = self.bin_path.with_name(self.bin_path.name + ".tmp")
         self._idx_tmp = self.idx_path.with_name(self.idx_path.name + ".tmp")
         self._bin_file = open(self._bin_tmp, "wb")  # noqa: SIM115 (closed in finalize/abort)
-        self._idx_file = open(self._idx_tmp, "w+b")  # noqa: SIM115 (closed in finalize/abort)
-        self._idx_file.write(b"\0" * _HEADER.size)  # the header is written last
+        try:
+            self._idx_file = open(self._idx_tmp, "w+b")  # noqa: SIM115 (closed in finalize/abort)
+        except BaseException:  # out of file descriptors, say: leave no .bin.tmp behind
+            self._bin_file.close()
+            self._bin_tmp.unlink(missing_ok=True)
+            raise
+        try:
+            with naming_file(self._idx_tmp):
+                self._idx_file.write(b"\0" * _HEADER.size)  # the header is written last
+        except BaseException:
+            self._remove_temporaries()
+            raise
         self._num_documents = 0
         self._done = False
         if np.issubdtype(self.dtype, np.integer):
