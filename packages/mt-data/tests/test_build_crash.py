@@ -176,3 +176,116 @@ def test_parquet_inputs_without_pyarrow_are_refused_before_any_shard_is_built(
     with pytest.raises(ValueError, match=r"b.parquet.*needs pyarrow.*mt-data\[parquet\]"):
         _build([a, tmp_path / "in" / "b.parquet"], tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_two_builds_without_a_lock_never_leave_a_wrong_shard(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+    import threading
+    import warnings
+
+    import mt_data.sources as sources
+    from mt_data.indexed import IndexedDatasetWriter
+
+    monkeypatch.setattr(sources, "BATCH_BYTES", 4096)  # many batches in one shard
+    a = _write_jsonl(tmp_path / "in" / "a.jsonl", [f"x{i} = {i} * 2" * 20 for i in range(300)])
+    _build([a], tmp_path / "reference")
+    expected = _files(tmp_path / "reference")
+
+    def no_flock(fd, op):  # NFS: every build goes ahead unlocked, with a warning
+        raise OSError(errno.EBADF, "Bad file descriptor")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    # Build 1 (this thread) is about to finish its shard when build 2 (another thread, as
+    # another process would) starts the same one; build 2 waits half-way until build 1 is done.
+    second_is_writing, first_is_done = threading.Event(), threading.Event()
+    add_documents, finalize = IndexedDatasetWriter.add_documents, IndexedDatasetWriter.finalize
+    errors: list[BaseException] = []
+
+    def second_build() -> None:
+        try:
+            _build([a], tmp_path / "out")
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    second = threading.Thread(target=second_build)
+
+    def paused_add_documents(self, tokens, lengths):
+        add_documents(self, tokens, lengths)
+        if threading.current_thread() is second and not second_is_writing.is_set():
+            second_is_writing.set()
+            first_is_done.wait(30)
+
+    def finalize_while_the_second_writes(self):
+        if threading.current_thread() is not second:
+            second.start()
+            assert second_is_writing.wait(30)
+        finalize(self)
+
+    monkeypatch.setattr(IndexedDatasetWriter, "add_documents", paused_add_documents)
+    monkeypatch.setattr(IndexedDatasetWriter, "finalize", finalize_while_the_second_writes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "cannot lock the directory", from both builds
+        try:
+            _build([a], tmp_path / "out")
+        finally:
+            first_is_done.set()
+            second.join(30)
+    files = _files(tmp_path / "out")
+    assert {name: files.get(name) for name in ("a.bin", "a.idx")} == {
+        name: expected[name] for name in ("a.bin", "a.idx")
+    }
+    assert not errors, errors
+    assert {name: files[name] for name in expected} == expected
+
+
+def test_two_builds_without_a_lock_writing_the_manifest_at_once_both_succeed(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+    import threading
+    import warnings
+
+    import mt_data.manifest as manifest_module
+
+    a = _write_jsonl(tmp_path / "in" / "a.jsonl", ["x = 1", "y = 2"])
+    _build([a], tmp_path / "reference")
+    expected = _files(tmp_path / "reference")
+
+    def no_flock(fd, op):
+        raise OSError(errno.EBADF, "Bad file descriptor")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    # Build 1 has opened its manifest's temporary file when build 2 opens its own; build
+    # 2 writes it once build 1 is done.
+    second_opened, first_is_done = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def second_build() -> None:
+        try:
+            _build([a], tmp_path / "out")
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    second = threading.Thread(target=second_build)
+    dump = json.dump
+
+    def paused_dump(data, f, **kwargs):
+        if "shards" in data:  # the manifest, not a build record
+            if threading.current_thread() is second:
+                second_opened.set()
+                first_is_done.wait(30)
+            else:
+                second.start()
+                assert second_opened.wait(30)
+        dump(data, f, **kwargs)
+
+    monkeypatch.setattr(manifest_module.json, "dump", paused_dump)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "cannot lock the directory", from both builds
+        try:
+            _build([a], tmp_path / "out")
+        finally:
+            first_is_done.set()
+            second.join(30)
+    assert not errors, errors
+    assert _files(tmp_path / "out") == expected

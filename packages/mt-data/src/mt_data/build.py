@@ -19,9 +19,11 @@ build's.
 
 One build at a time writes a directory (an exclusive `flock` on it, where the file
 system supports one); holding it, a build first removes the temporary files a killed
-build left there. When a build rewrites a shard the old manifest lists, it removes
-that manifest first, so readers refuse the directory until the new one is written;
-a build that only adds shards leaves the old corpus readable. Shards of earlier builds
+build left there. Without it (NFS, Lustre without flock), its temporaries have names of
+their own, so that two builds at once never write one file. When a build rewrites a
+shard the old manifest lists, it removes that manifest first, so readers refuse the
+directory until the new one is written; a build that only adds shards leaves the old
+corpus readable. Shards of earlier builds
 that the new manifest no longer lists are removed, with their records, after it is
 written.
 """
@@ -31,6 +33,7 @@ from __future__ import annotations
 import fcntl
 import multiprocessing
 import os
+import secrets
 import signal
 import threading
 import time
@@ -150,6 +153,7 @@ class _OpenShard:
     record_dir: Path
     on_error: OnError
     source: dict[str, Any]
+    temp_suffix: str
 
     def add(self, encoded: EncodedBatch | ReadFailure, progress: BuildProgress) -> None:
         bad_lines = [encoded.bad] if isinstance(encoded, ReadFailure) else encoded.bad_lines
@@ -168,7 +172,9 @@ class _OpenShard:
     def finish(self) -> ShardSummary:
         # The record first: a final .idx then always has one (a record without a
         # finished shard is simply rewritten by the rerun).
-        write_shard_record(self.record_dir, self.summary, self.settings, self.source)
+        write_shard_record(
+            self.record_dir, self.summary, self.settings, self.source, temp_suffix=self.temp_suffix
+        )
         self.writer.finalize()
         return self.summary
 
@@ -344,8 +350,10 @@ def _run_jobs(
     on_error: OnError,
     workers: int,
     progress: BuildProgress,
+    temp_suffix: str,
 ) -> list[ShardSummary]:
-    """Build the shards of `jobs` ((input, output prefix) pairs), in order."""
+    """Build the shards of `jobs` ((input, output prefix) pairs), in order, writing each
+    through temporaries ending in `temp_suffix`."""
     executor = None
     if workers > 0 and jobs:
         executor = ProcessPoolExecutor(
@@ -371,9 +379,9 @@ def _run_jobs(
             progress.describe(prefix.name)
             _remove_old_index(prefix)
             summary = ShardSummary(name=prefix.name, input=str(path))
-            writer = IndexedDatasetWriter(prefix, dtype)
+            writer = IndexedDatasetWriter(prefix, dtype, temp_suffix=temp_suffix)
             current = _OpenShard(
-                writer, summary, settings, prefix.parent, on_error, sources.pop(index)
+                writer, summary, settings, prefix.parent, on_error, sources.pop(index), temp_suffix
             )
         if value is None:
             summaries.append(current.finish())
@@ -497,13 +505,20 @@ def build_corpus(
             # corpus stays readable while new shards are added, and after a failure.
             (out / MANIFEST_NAME).unlink(missing_ok=True)
         total_bytes = sum(path.stat().st_size for path, _ in jobs)
+        # Without the lock another build may write these shards now: temporaries of our
+        # own, so that neither truncates the other's, and each renames a whole shard.
+        temp_suffix = ".tmp" if locked else f".{os.getpid()}-{secrets.token_hex(4)}.tmp"
         with BuildProgress(total_bytes, progress) as bar:
-            built = iter(_run_jobs(jobs, spec, loaded, settings, text_key, on_error, workers, bar))
+            built = iter(
+                _run_jobs(
+                    jobs, spec, loaded, settings, text_key, on_error, workers, bar, temp_suffix
+                )
+            )
         shards = [done[i] if i in done else next(built) for i in range(len(files))]
         manifest = corpus_manifest(
             loaded, shards, text_key=text_key, inputs=[str(f) for f in files], source="files"
         )
-        write_manifest(out, manifest)
+        write_manifest(out, manifest, temp_suffix=temp_suffix)
         removed = remove_stale_shards(out, set(names))  # only once the new corpus stands
     return BuildSummary(
         output=out, shards=shards, seconds=time.perf_counter() - start, removed=removed

@@ -148,12 +148,18 @@ class IndexedDatasetWriter:
     Args:
         path_prefix: Output path without extension; the directory must exist.
         dtype: Token dtype, one of Megatron's (`token_dtype(vocab_size)` picks it).
+        temp_suffix: Ends the temporaries' names (`<prefix>.bin<temp_suffix>`). Two
+            writers of one shard must not share it: the second would truncate the first's
+            files, which then renames a torn shard into place. A build holds a lock on
+            its directory; one that cannot passes a suffix of its own.
 
     Raises:
         ValueError: If `dtype` has no Megatron dtype code or the directory is missing.
     """
 
-    def __init__(self, path_prefix: str | Path, dtype: np.dtype | type | str) -> None:
+    def __init__(
+        self, path_prefix: str | Path, dtype: np.dtype | type | str, *, temp_suffix: str = ".tmp"
+    ) -> None:
         self.dtype = np.dtype(dtype)
         if self.dtype not in _CODE_OF_DTYPE:
             supported = ", ".join(str(d) for d in DTYPE_CODES.values())
@@ -166,8 +172,8 @@ class IndexedDatasetWriter:
             raise ValueError(
                 f"output directory {self.bin_path.parent} does not exist; create it first"
             )
-        self._bin_tmp = self.bin_path.with_name(self.bin_path.name + ".tmp")
-        self._idx_tmp = self.idx_path.with_name(self.idx_path.name + ".tmp")
+        self._bin_tmp = self.bin_path.with_name(self.bin_path.name + temp_suffix)
+        self._idx_tmp = self.idx_path.with_name(self.idx_path.name + temp_suffix)
         self._bin_file = open(self._bin_tmp, "wb")  # noqa: SIM115 (closed in finalize/abort)
         try:
             self._idx_file = open(self._idx_tmp, "w+b")  # noqa: SIM115 (closed in finalize/abort)

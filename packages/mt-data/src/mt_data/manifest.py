@@ -58,8 +58,8 @@ def file_sha256(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def _write_json_atomic(path: Path, data: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+def _write_json_atomic(path: Path, data: Any, temp_suffix: str) -> None:
+    tmp = path.with_name(path.name + temp_suffix)
     try:
         with naming_file(tmp), open(tmp, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=2, sort_keys=True)
@@ -78,6 +78,8 @@ def write_shard_record(
     summary: ShardSummary,
     settings: dict[str, Any],
     source: dict[str, Any] | None = None,
+    *,
+    temp_suffix: str = ".tmp",
 ) -> Path:
     """Write a shard's build record `.mt-data/<name>.json` atomically.
 
@@ -86,6 +88,8 @@ def write_shard_record(
         summary: The shard's counts.
         settings: The build settings it was made with.
         source: Its input's fingerprint (path, size, modification time), if any.
+        temp_suffix: Ends the temporary file's name; one of its own for a build that
+            cannot lock the directory (`IndexedDatasetWriter`'s `temp_suffix`).
 
     Returns:
         The record's path.
@@ -94,7 +98,7 @@ def write_shard_record(
     records.mkdir(exist_ok=True)
     path = records / f"{summary.name}.json"
     record = {"settings": settings, "summary": summary.to_json(), "source": source}
-    _write_json_atomic(path, record)
+    _write_json_atomic(path, record, temp_suffix)
     return path
 
 
@@ -166,18 +170,22 @@ def corpus_manifest(
     }
 
 
-def write_manifest(directory: str | Path, manifest: dict[str, Any]) -> Path:
+def write_manifest(
+    directory: str | Path, manifest: dict[str, Any], *, temp_suffix: str = ".tmp"
+) -> Path:
     """Write `manifest.json` into `directory` atomically (temp file, fsync, rename).
 
     Args:
         directory: The corpus directory.
         manifest: JSON-serializable description of the corpus.
+        temp_suffix: Ends the temporary file's name; one of its own for a build that
+            cannot lock the directory (`IndexedDatasetWriter`'s `temp_suffix`).
 
     Returns:
         The manifest's path.
     """
     path = Path(directory) / MANIFEST_NAME
-    _write_json_atomic(path, manifest)
+    _write_json_atomic(path, manifest, temp_suffix)
     return path
 
 
