@@ -345,6 +345,23 @@ def test_cli_inspect_prints_shards_counts_dtype_and_decoded_text(tmp_path, capsy
     assert capsys.readouterr().out.splitlines()[3].split()[:3] == ["total", "(2", "shards)"]
 
 
+def test_inspect_does_not_decode_with_a_tokenizer_changed_since_the_build(tmp_path):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    tokenizer = tmp_path / "tok" / "tokenizer.json"
+    tokenizer.parent.mkdir()
+    tokenizer.write_bytes(default_tokenizer_path().read_bytes())
+    path = _write_jsonl(tmp_path / "i.jsonl", ["def hello():\n    return 'world'\n"])
+    build_corpus([path], tokenizer, tmp_path / "out", workers=0, progress=False)
+    # Retrained in place: ids now mean other words.
+    Tokenizer(WordLevel({"<|endoftext|>": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(tokenizer))
+    report = inspect_corpus(tmp_path / "out")
+    assert f"the manifest's tokenizer {tokenizer} has changed since the build" in report
+    assert "--- i sequence 0" not in report  # nothing decoded with the wrong vocabulary
+    assert "return 'world'" in inspect_corpus(tmp_path / "out", tokenizer=default_tokenizer_path())
+
+
 def test_cli_inspect_into_a_pipe_closed_early_stops_quietly(tmp_path):
     path = _write_jsonl(tmp_path / "i.jsonl", [f"document {i} " * 40 for i in range(2000)])
     build_corpus([path], default_tokenizer_path(), tmp_path / "out", workers=0, progress=False)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from mt_data.corpus import resolve_shards
 from mt_data.indexed import IndexedDataset
-from mt_data.manifest import read_manifest
+from mt_data.manifest import file_sha256, read_manifest
 from mt_data.tokenizer import read_tokenizer
 
 __all__ = ["inspect_corpus"]
@@ -70,6 +70,14 @@ def inspect_corpus(
         return "\n".join(lines)
     if tokenizer is None and not Path(source).exists():
         lines.append(f"(the manifest's tokenizer {source} is not here: pass --tokenizer)")
+        return "\n".join(lines)
+    built_with = manifest.get("tokenizer_sha256")
+    if tokenizer is None and built_with is not None and file_sha256(source) != built_with:
+        # Retrained or replaced in place: its ids would decode to other text, silently.
+        lines.append(
+            f"(the manifest's tokenizer {source} has changed since the build (its SHA-256 "
+            "differs): pass --tokenizer with the one the corpus was built with)"
+        )
         return "\n".join(lines)
     # Only to decode: a tokenizer without a findable EOS (a corpus built with --eos-token)
     # must not stop the report.
