@@ -1,4 +1,5 @@
-"""What a crashed build leaves behind, and what the next build does with it."""
+"""What a killed, refused or out-of-space build leaves behind, what the next build does
+with it, and two builds into one directory at once."""
 
 from __future__ import annotations
 
