@@ -128,6 +128,31 @@ def test_temporary_directories_of_killed_default_builds_are_removed_by_the_next_
     assert sorted(p.name for p in parent.iterdir()) == sorted([corpus.name, new.name, "notes"])
 
 
+def test_without_flock_only_long_abandoned_default_build_directories_are_removed(
+    tmp_path, monkeypatch
+):
+    import errno
+    import fcntl
+
+    def no_flock(fd, op):  # NFS: no telling whether a build holds one
+        raise OSError(errno.EBADF, "Bad file descriptor")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    monkeypatch.setattr(default_corpus, "iter_default_documents", _small_documents)
+    parent = tmp_path / "corpus"
+    parent.mkdir()
+    for name, age_seconds in (("killed", 2 * 3600), ("maybe-running", 1800)):
+        directory = parent / f".stdlib-py3.11-0123456789ab.tmp-{name}"
+        directory.mkdir()
+        then = time.time() - age_seconds
+        os.utime(directory, (then, then))
+    with pytest.warns(UserWarning, match="cannot lock"):
+        corpus = default_corpus_dir(tmp_path)
+    assert sorted(p.name for p in parent.iterdir()) == sorted(
+        [corpus.name, ".stdlib-py3.11-0123456789ab.tmp-maybe-running"]
+    )
+
+
 def test_cli_build_default_writes_the_corpus_into_output(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(default_corpus, "iter_default_documents", _small_documents)
     assert main(["build-default", "--output", str(tmp_path / "out"), "--no-progress"]) == 0

@@ -63,6 +63,9 @@ _DEFAULT_CORPUS_NAMES = frozenset(
 # lock of and untouched this long is a killed build's. The age covers the moment between
 # its creation and `build_lock`; a build takes seconds.
 _ABANDONED_AFTER_SECONDS = 600
+# Where the file system has no flock, only the age tells: a default build takes seconds to
+# a few minutes, so one untouched for an hour is a killed build's.
+_ABANDONED_WITHOUT_LOCK_SECONDS = 3600
 # Directories skipped anywhere below the standard library root: third-party code,
 # test suites (large and full of deliberately odd code), tools not worth learning, and
 # generated data rather than code: `encodings` (1.4 MB of codec tables) and `pydoc_data`
@@ -264,20 +267,26 @@ def _remove_abandoned_builds(parent: Path) -> None:
     """Remove the temporary directories of default builds killed (`kill -9`, a power cut)
     before they were renamed into place: each holds a partial corpus (~10 MB) and would
     stay forever. One a build holds the lock of, or touched in the last
-    `_ABANDONED_AFTER_SECONDS`, is left alone."""
+    `_ABANDONED_AFTER_SECONDS` (`_ABANDONED_WITHOUT_LOCK_SECONDS` where the file system
+    has no flock), is left alone."""
     if not parent.is_dir():
         return
     for directory in parent.glob(".stdlib-py*.tmp-*"):
         try:
-            if time.time() - directory.stat().st_mtime < _ABANDONED_AFTER_SECONDS:
+            age = time.time() - directory.stat().st_mtime
+            if age < _ABANDONED_AFTER_SECONDS:
                 continue
             fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
         except OSError:  # gone meanwhile (its build finished), or not a directory
             continue
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails while a build holds it
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # a build holds it
+                continue
+            except OSError:  # no flock on this file system (NFS): only the age tells
+                if age < _ABANDONED_WITHOUT_LOCK_SECONDS:
+                    continue
             shutil.rmtree(directory, ignore_errors=True)
-        except OSError:  # locked, or no flock here: it may be in use
-            continue
         finally:
             os.close(fd)
