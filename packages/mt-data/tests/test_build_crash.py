@@ -87,7 +87,7 @@ def test_a_refused_build_leaves_the_partial_files_too(tmp_path):
     assert all((out / name).read_bytes() == b"half-written" for name in PARTIAL_FILES)
 
 
-def test_without_a_lock_partial_files_are_not_removed(tmp_path, monkeypatch):
+def test_without_a_lock_only_partial_files_untouched_for_an_hour_are_removed(tmp_path, monkeypatch):
     import errno
     import fcntl
 
@@ -99,11 +99,18 @@ def test_without_a_lock_partial_files_are_not_removed(tmp_path, monkeypatch):
     out = tmp_path / "out"
     out.mkdir()
     (out / ".mt-data").mkdir()
-    _leave_partial_files(out)
+    _leave_partial_files(out)  # just written: another build may be writing them
+    # What unlocked builds (temporaries of their own) killed long ago left.
+    old = ["old.bin.4242-0a1b2c3d.tmp", "old.idx.4242-0a1b2c3d.tmp", "old.bin.tmp",
+           ".mt-data/old.json.4242-0a1b2c3d.tmp", "manifest.json.4242-0a1b2c3d.tmp"]  # fmt: skip
+    then = time.time() - 2 * 3600
+    for name in old:
+        (out / name).write_bytes(b"half-written")
+        os.utime(out / name, (then, then))
     with pytest.warns(UserWarning, match="cannot lock the directory"):
         _build([a], out)
-    # Another build may be writing them: without a lock there is no telling.
-    assert (out / "gone.bin.tmp").read_bytes() == b"half-written"
+    assert all((out / name).read_bytes() == b"half-written" for name in PARTIAL_FILES)
+    assert not any((out / name).exists() for name in old)
 
 
 def test_a_build_killed_mid_shard_leaves_no_partial_file_after_the_next_build(tmp_path):

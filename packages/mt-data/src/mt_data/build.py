@@ -20,7 +20,8 @@ build's.
 One build at a time writes a directory (an exclusive `flock` on it, where the file
 system supports one); holding it, a build first removes the temporary files a killed
 build left there. Without it (NFS, Lustre without flock), its temporaries have names of
-their own, so that two builds at once never write one file. When a build rewrites a
+their own, so that two builds at once never write one file, and it removes only those
+untouched for an hour. When a build rewrites a
 shard the old manifest lists, it removes that manifest first, so readers refuse the
 directory until the new one is written; a build that only adds shards leaves the old
 corpus readable. Shards of earlier builds
@@ -33,6 +34,7 @@ from __future__ import annotations
 import fcntl
 import multiprocessing
 import os
+import re
 import secrets
 import signal
 import threading
@@ -67,6 +69,14 @@ from mt_data.tokenizer import LoadedTokenizer, TokenizerSpec, load_tokenizer
 __all__ = ["BuildSummary", "CorpusError", "ShardSummary", "build_corpus", "build_documents"]
 
 OnError = Literal["skip", "fail"]
+# Temporaries of a build: `<shard>.bin`/`.idx`/`manifest.json` (`<shard>.json` in the
+# record directory) + `.tmp`, or + `.<pid>-<random>.tmp` for a build without the lock.
+_TEMP_SUFFIX = r"(\.\d+-[0-9a-f]{8})?\.tmp"
+_PARTIAL_FILE = re.compile(rf"(.+\.(bin|idx)|{re.escape(MANIFEST_NAME)}){_TEMP_SUFFIX}", re.DOTALL)
+_PARTIAL_RECORD = re.compile(rf".+\.json{_TEMP_SUFFIX}", re.DOTALL)
+# Without the lock, temporaries this old are taken for a killed build's: a running build
+# writes its shard's every batch, and its JSON files' within a second.
+_UNLOCKED_PARTIAL_SECONDS = 3600
 # How often a worker checks that the main process is still alive.
 _ORPHAN_POLL_SECONDS = 1.0
 # Documents per in-process batch of `build_documents`.
@@ -284,27 +294,38 @@ def build_lock(out: Path) -> Iterator[bool]:
         os.close(fd)
 
 
-def remove_partial_files(out: Path) -> list[str]:
+def remove_partial_files(out: Path, *, older_than: float | None = None) -> list[str]:
     """Remove the temporary files an interrupted build (`kill -9`, a power cut) left in
     `out`, returning their paths relative to it.
 
     Only names a build writes and renames away are removed: `<shard>.bin.tmp`,
-    `<shard>.idx.tmp`, `manifest.json.tmp` and `.mt-data/<shard>.json.tmp`; a finished
-    file never has one. A rerun of the same build overwrites them anyway; these are the
-    ones of shards it no longer builds. Call it only while holding `build_lock(out)`:
-    a running build's temporaries have the same names.
+    `<shard>.idx.tmp`, `manifest.json.tmp` and `.mt-data/<shard>.json.tmp`, or with
+    `.<pid>-<random>.tmp` for `.tmp` (an unlocked build's); a finished file never has
+    one. A rerun of the same build overwrites them anyway; these are the ones of shards
+    it no longer builds. A running build's temporaries have such names too: call it
+    while holding `build_lock(out)`, or pass `older_than`.
+
+    Args:
+        out: The corpus directory.
+        older_than: Remove only files untouched for this many seconds (a running build
+            writes its shard's files every batch); None removes them all.
     """
     partial = [
-        *out.glob("*.bin.tmp"),
-        *out.glob("*.idx.tmp"),
-        out / f"{MANIFEST_NAME}.tmp",
-        *(out / RECORD_DIR).glob("*.json.tmp"),
+        *(p for p in out.iterdir() if _PARTIAL_FILE.fullmatch(p.name)),
+        *(p for p in (out / RECORD_DIR).glob("*.tmp") if _PARTIAL_RECORD.fullmatch(p.name)),
     ]
     removed = []
+    now = time.time()
     for path in partial:
-        if path.is_file() or path.is_symlink():
+        try:
+            if not (path.is_file() or path.is_symlink()):
+                continue
+            if older_than is not None and now - path.lstat().st_mtime < older_than:
+                continue
             path.unlink()
-            removed.append(str(path.relative_to(out)))
+        except FileNotFoundError:  # renamed or removed by its build meanwhile
+            continue
+        removed.append(str(path.relative_to(out)))
     return removed
 
 
@@ -497,8 +518,9 @@ def build_corpus(
                 done[i] = summary
             else:
                 jobs.append((path, out / name))
-        if locked:  # only now, so that a refused build changes nothing; without the lock,
-            remove_partial_files(out)  # they may be another build's files in progress
+        # Only now, so that a refused build changes nothing. Without the lock, recent ones
+        # may be another build's files in progress.
+        remove_partial_files(out, older_than=None if locked else _UNLOCKED_PARTIAL_SECONDS)
         if _listed_shards(previous) & {prefix.name for _, prefix in jobs}:
             # A shard the manifest lists will be rewritten: until the new manifest the
             # directory is an unfinished build (readers refuse it). Otherwise the old
