@@ -172,6 +172,9 @@ def test_readers_call_a_first_build_killed_before_any_shard_unfinished(tmp_path)
     (out / "a.idx.tmp").write_bytes(b"\0" * 64)
     with pytest.raises(ValueError, match=r"no shards.*has not finished \(a.idx.tmp\).*rerun"):
         TokenDataset(out, seq_len=4)
+    (out / "a.idx.tmp").rename(out / "a.idx.4242-0a1b2c3d.tmp")  # a build without flock's
+    with pytest.raises(ValueError, match=r"has not finished \(a.idx.4242-0a1b2c3d.tmp\)"):
+        TokenDataset(out, seq_len=4)
 
 
 def test_parquet_inputs_without_pyarrow_are_refused_before_any_shard_is_built(
