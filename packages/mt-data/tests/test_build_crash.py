@@ -300,3 +300,22 @@ def test_two_builds_without_a_lock_writing_the_manifest_at_once_both_succeed(tmp
             second.join(30)
     assert not errors, errors
     assert _files(tmp_path / "out") == expected
+
+
+def test_a_file_system_that_cannot_fsync_a_directory_still_builds(tmp_path, monkeypatch):
+    import errno
+    import stat
+
+    import mt_data.indexed as indexed
+
+    fsync = os.fsync
+
+    def fsync_refusing_directories(fd):  # some FUSE and network file systems
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        fsync(fd)
+
+    monkeypatch.setattr(indexed.os, "fsync", fsync_refusing_directories)
+    a = _write_jsonl(tmp_path / "in" / "a.jsonl", ["x = 1"])
+    summary = _build([a], tmp_path / "out")
+    assert summary.num_documents == 1 and (tmp_path / "out" / "manifest.json").is_file()

@@ -94,15 +94,26 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size < _UINT16_VOCAB_LIMIT else np.dtype(np.int32)
 
 
+# What fsync of a directory raises on file systems that do not support it (some FUSE and
+# network file systems): their renames are as durable as they make them, nothing to do.
+_DIRECTORY_FSYNC_UNSUPPORTED = frozenset({errno.EINVAL, errno.ENOTSUP, errno.ENOSYS})
+
+
 def fsync_directory(path: str | Path) -> None:
     """Flush a directory entry to disk so a rename inside it survives a power cut.
+
+    File systems that cannot fsync a directory are left as they are.
 
     Args:
         path: The directory whose entries (creations, renames) must be durable.
     """
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
+        with naming_file(Path(path)):
+            os.fsync(fd)
+    except OSError as e:
+        if e.errno not in _DIRECTORY_FSYNC_UNSUPPORTED:
+            raise
     finally:
         os.close(fd)
 
