@@ -615,3 +615,12 @@ def test_a_rerun_with_other_settings_names_the_setting_its_option_and_both_value
     assert "bos_id None (--bos, --bos-token), this build 0" in message
     assert "tokenizer_sha256" not in message and "eos_id" not in message  # unchanged
     assert "choose a new output directory" in message
+
+
+def test_cli_build_help_says_that_shards_of_an_earlier_build_it_does_not_list_are_removed(
+    capsys,
+):
+    with pytest.raises(SystemExit):
+        main(["build", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "not among this build's inputs are removed" in help_text

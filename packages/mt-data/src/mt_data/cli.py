@@ -50,7 +50,10 @@ def _parser() -> argparse.ArgumentParser:
             "(with pyarrow installed) into DIR, one <stem>.bin/.idx shard per input file in "
             "Megatron-LM's indexed format, EOS appended to every document, then write "
             "DIR/manifest.json. Shards already complete in DIR are skipped, so rerunning "
-            "an interrupted build resumes it; the result is the same bytes whatever N is."
+            "an interrupted build resumes it; the result is the same bytes whatever N is. "
+            "DIR holds one corpus: once the build succeeds, shards an earlier build wrote "
+            "there for files not among this build's inputs are removed (build into another "
+            "DIR to keep them, and mix the two when reading)."
         ),
     )
     build.add_argument(
