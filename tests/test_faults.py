@@ -188,6 +188,58 @@ def test_a_crash_in_the_middle_of_a_save_leaves_the_previous_checkpoint_resumabl
     assert not list(root.glob(".tmp-*")), "a later save removes torn leftovers"
 
 
+def _crash_at_file_operation(monkeypatch, n):
+    """Makes the `n`-th rename or tree delete of a directory in a checkpoints directory
+    (1-based) a crash, as a kill at that point; returns the list of those operations made
+    (the crashed one too). DCP's own renames, of files inside a checkpoint, run as usual."""
+    done = []
+    for module, name in ((checkpoint_module.os, "rename"), (checkpoint_module.shutil, "rmtree")):
+        real = getattr(module, name)
+
+        def operation(*args, _real=real, _name=name, **kwargs):
+            if Path(args[0]).parent.name != "checkpoints":
+                return _real(*args, **kwargs)
+            done.append((_name, *(Path(a).name for a in args)))
+            if len(done) == n:
+                raise KeyboardInterrupt
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, operation)
+    return done
+
+
+def test_a_crash_anywhere_in_saving_a_step_again_leaves_that_step_resumable(tmp_path, monkeypatch):
+    # Saving a step that already has a checkpoint (the only one, keep_last=1) must never
+    # leave the run without it: a crash at each rename and delete of that save is tried,
+    # and the rerun continues from step 2 as an uninterrupted run does.
+    def cfg(run, max_steps):
+        return _cfg(run, f"training.max_steps={max_steps}", "checkpoint.interval=2",
+                    "checkpoint.keep_last=1", "training.min_lr_ratio=1.0")  # fmt: skip
+
+    whole = pretrain(cfg(tmp_path / "whole", 3))
+    state = pretrain(cfg(tmp_path / "first", 2))
+    clean = tmp_path / "clean"
+    shutil.copytree(tmp_path / "first", clean)
+    state.cfg = cfg(clean, 2)
+    operations = _crash_at_file_operation(monkeypatch, n=0)
+    train_module._save(state, None)  # a save of step 2 again, without a crash
+    monkeypatch.undo()
+    assert [p.name for p in checkpoint_root(clean).iterdir()] == ["step_00000002"]
+    assert len(operations) >= 2, operations
+    for n in range(1, len(operations) + 1):
+        run = tmp_path / f"crash_{n}"
+        shutil.copytree(tmp_path / "first", run)
+        state.cfg = cfg(run, 2)
+        _crash_at_file_operation(monkeypatch, n)
+        with pytest.raises(KeyboardInterrupt):
+            train_module._save(state, None)
+        monkeypatch.undo()
+        assert _steps(run) == [2], (operations[n - 1], sorted(checkpoint_root(run).iterdir()))
+        resumed = pretrain(cfg(run, 3))
+        assert resumed.losses == whole.losses[2:], operations[n - 1]
+        assert [p.name for p in checkpoint_root(run).iterdir()] == ["step_00000003"]
+
+
 def test_a_write_that_fails_inside_dcp_names_the_checkpoint_and_the_free_space(
     tmp_path, monkeypatch
 ):

@@ -6,6 +6,8 @@ Layout of a run directory::
         .metadata, *.distcp                  PyTorch DCP: every tensor, canonical keys
         train_state.json                     step, data-loader state, resolved config
     <run_dir>/checkpoints/.tmp-step_...      a checkpoint being written (never resumed)
+    <run_dir>/checkpoints/.replaced-step_N   step N's checkpoint while it is saved again
+                                             (resumed as step N when step_N is missing)
 
 Tensor keys are the Hugging Face parameter names, one key per expert
 (``model/<hf key>``, ``optim/<hf key>/exp_avg``, ``optim/<hf key>/exp_avg_sq``), so a
@@ -13,7 +15,10 @@ checkpoint does not depend on how parameters are stacked or sharded; beside them
 ``optim/step`` (AdamW's step count) and the RNG states ``rng/cpu`` and, with CUDA,
 ``rng/cuda``. The whole checkpoint is written into a temporary directory that is renamed
 when complete: a crash in the middle of a save leaves the previous checkpoint as the newest
-complete one.
+complete one. Saving a step that already has a checkpoint (a resumed run that redoes
+steps) moves the old one aside as ``.replaced-step_N`` before the new one takes its name,
+and deletes it only then; a crash between the two renames leaves the old one, which
+`list_checkpoints` lists as step N and the next save puts back.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from torch import nn
 
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
+_REPLACED = ".replaced-"  # prefix of a step's checkpoint while it is saved again
 _STATE_FILE = "train_state.json"
 # DCP warns that it runs without a process group in one process, which is what we want;
 # a filter here (not catch_warnings) also covers the background writer's thread.
@@ -140,11 +146,11 @@ def checkpoint_root(run_dir: str | Path) -> Path:
 def _delete_checkpoint(path: Path) -> None:
     """Deletes a complete checkpoint without ever leaving a partial one under its name.
 
-    It is renamed out of the ``step_*`` names first: a crash in the middle of the delete
-    leaves a ``.old-step_*`` leftover (removed by the next save), not a ``step_N`` with its
-    state file but some shards gone, which would list as complete.
+    It is renamed out of the ``step_*`` (and ``.replaced-step_*``) names first: a crash in
+    the middle of the delete leaves a ``.old-step_*`` leftover (removed by the next save),
+    not a ``step_N`` with its state file but some shards gone, which would list as complete.
     """
-    doomed = path.with_name(f".old-{path.name}")
+    doomed = path.with_name(f".old-{path.name.removeprefix(_REPLACED)}")
     shutil.rmtree(doomed, ignore_errors=True)
     os.rename(path, doomed)
     _fsync_dir(path.parent)
@@ -152,16 +158,24 @@ def _delete_checkpoint(path: Path) -> None:
 
 
 def list_checkpoints(root: str | Path) -> list[Checkpoint]:
-    """Returns the complete checkpoints under `root`, oldest first."""
+    """Returns the complete checkpoints under `root`, oldest first.
+
+    A ``.replaced-step_N`` (the old checkpoint of a step being saved again, see
+    `_replace_checkpoint`) counts as step N's when there is no ``step_N``: a crash came
+    between moving it aside and renaming the new one into place.
+    """
     root = Path(root)
     if not root.is_dir():
         return []
-    found = []
+    found: dict[int, Checkpoint] = {}
     for entry in root.iterdir():
-        match = _STEP_DIR.match(entry.name)
+        replaced = entry.name.startswith(_REPLACED)
+        match = _STEP_DIR.match(entry.name.removeprefix(_REPLACED))
         if match and (entry / _STATE_FILE).is_file() and (entry / ".metadata").is_file():
-            found.append(Checkpoint(path=entry, step=int(match.group(1))))
-    return sorted(found, key=lambda c: c.step)
+            step = int(match.group(1))
+            if not replaced or not (root / match.group(0)).exists():
+                found[step] = Checkpoint(path=entry, step=step)
+    return [found[step] for step in sorted(found)]
 
 
 def latest_checkpoint(root: str | Path) -> Checkpoint | None:
@@ -250,6 +264,44 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _clear_leftovers(root: Path) -> None:
+    """Before a save (main rank): removes what saves that crashed left in `root`.
+
+    ``.tmp-step_*`` (never resumed) and ``.old-step_*`` (being deleted) go. A
+    ``.replaced-step_N`` is the complete old checkpoint of a step that was being saved
+    again: it is renamed back to ``step_N`` when the crash came before the new one took
+    that name, else deleted.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in (*root.glob(".tmp-step_*"), *root.glob(".old-step_*")):
+        shutil.rmtree(stale, ignore_errors=True)
+    for replaced in root.glob(f"{_REPLACED}step_*"):
+        kept = root / replaced.name.removeprefix(_REPLACED)
+        if kept.exists():
+            _delete_checkpoint(replaced)
+        else:
+            os.rename(replaced, kept)
+            _fsync_dir(root)
+
+
+def _replace_checkpoint(new: Path, final: Path) -> None:
+    """Puts the complete checkpoint `new` in the place of `final`, a complete checkpoint
+    of the same step, so that a crash at any point leaves one of them listed as complete.
+
+    A directory cannot be renamed over a non-empty one, so `final` is first renamed to
+    ``.replaced-step_N`` (which `list_checkpoints` lists while ``step_N`` is missing),
+    then `new` to `final`; only then is the old one deleted.
+    """
+    replaced = final.with_name(f"{_REPLACED}{final.name}")
+    if replaced.exists():  # a leftover beside a complete final: partial, perhaps
+        _delete_checkpoint(replaced)
+    os.rename(final, replaced)
+    _fsync_dir(final.parent)
+    os.rename(new, final)
+    _fsync_dir(final.parent)
+    _delete_checkpoint(replaced)
+
+
 def save_checkpoint(
     root: str | Path,
     step: int,
@@ -275,10 +327,7 @@ def save_checkpoint(
     root = Path(root)
     tmp = root / f".tmp-step_{step:08d}"
     if _is_main():
-        root.mkdir(parents=True, exist_ok=True)
-        # Leftovers of saves that crashed: never resumed, so safe to delete.
-        for stale in (*root.glob(".tmp-step_*"), *root.glob(".old-step_*")):
-            shutil.rmtree(stale, ignore_errors=True)
+        _clear_leftovers(root)
     _barrier()
     tensors = _Tensors(model, optimizer).tensors
     with warnings.catch_warnings():
@@ -300,15 +349,11 @@ def _finalize(root: Path, step: int, train_state: dict[str, Any], keep_last: int
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(tmp)
-        if final.exists():  # saving the same step again: swap, never delete before rename
-            stale = root / f".old-step_{step:08d}"
-            shutil.rmtree(stale, ignore_errors=True)
-            os.rename(final, stale)
-            os.rename(tmp, final)
-            shutil.rmtree(stale)
+        if final.exists():  # saving the same step again
+            _replace_checkpoint(tmp, final)
         else:
             os.rename(tmp, final)
-        _fsync_dir(root)
+            _fsync_dir(root)
         for old in list_checkpoints(root)[:-keep_last]:
             _delete_checkpoint(old.path)
     _barrier()
@@ -349,9 +394,7 @@ class AsyncCheckpointer:
         if dist.is_initialized() and self._group is None:
             self._group = dist.new_group(backend="gloo")
         if _is_main():
-            self.root.mkdir(parents=True, exist_ok=True)
-            for stale in (*self.root.glob(".tmp-step_*"), *self.root.glob(".old-step_*")):
-                shutil.rmtree(stale, ignore_errors=True)
+            _clear_leftovers(self.root)
         _barrier()
         tensors = _Tensors(model, optimizer).tensors
         tmp = self.root / f".tmp-step_{step:08d}"
