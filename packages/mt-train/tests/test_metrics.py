@@ -41,3 +41,40 @@ def test_a_skipped_steps_non_finite_numbers_are_written_as_strict_json_nulls(tmp
     ]
     assert lines[0] == {"step": 1, **row}
     assert lines[1] == {**row, "step": 2, "loss": None, "grad_norm": None, "aux_loss": None}
+
+
+class _FakeWandbRun:
+    """Stands in for a resumed W&B run whose history already reaches a step."""
+
+    def __init__(self, starting_step):
+        self.starting_step = starting_step  # W&B's next step: lower ones are dropped
+        self.logged = []
+
+    def log(self, data, step=None):
+        self.logged.append(step)
+
+    def finish(self):
+        pass
+
+
+def test_wandb_is_not_sent_again_the_steps_it_holds_after_a_resume_and_warns_once(
+    tmp_path, monkeypatch, caplog
+):
+    import sys
+    import types
+
+    from mt_train.metrics import build_sinks
+
+    run = _FakeWandbRun(starting_step=6)  # the interrupted run logged steps 1..5
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kwargs: run
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    (sink,) = build_sinks(tmp_path, False, "proj", {}, start_step=3)  # resumed at step 3
+    row = {"loss": 2.5, "aux_loss": 0.01, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 10.0}
+    with caplog.at_level("WARNING", logger="mt_train"):
+        for step in range(4, 9):
+            sink.log({"step": step, **row})
+    sink.close()
+    assert run.logged == [6, 7, 8]
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "steps 4 to 5" in warning and "metrics.jsonl" in warning, warning

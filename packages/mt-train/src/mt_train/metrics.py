@@ -15,6 +15,7 @@ as ``null``, since JSON has no NaN or Infinity and jq or ``JSON.parse`` refuse t
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import secrets
@@ -33,6 +34,7 @@ PEAK_FLOPS = {
     "H100": (794e12, 989e12),
 }
 _BAR_WIDTH = 20
+log = logging.getLogger("mt_train")
 
 
 def peak_flops(device_name: str) -> tuple[float | None, float | None]:
@@ -190,9 +192,24 @@ class WandbSink:
 
     The run's W&B id is kept in ``<run_dir>/wandb_run_id``, written by the first
     invocation, so a resumed run keeps logging to the same W&B run.
+
+    W&B keeps only increasing steps and cannot purge as TensorBoard does: when the
+    interrupted invocation had logged past the checkpoint the run resumes from, the redone
+    steps below W&B's next step (``run.starting_step``) are not sent (W&B would drop each
+    with a warning of its own); one warning says which, and that W&B keeps the earlier
+    invocation's values for them while ``metrics.jsonl`` has the redone ones. An offline
+    run does not know the W&B history, so it sends every step.
+
+    Args:
+        project: the W&B project.
+        run_dir: the run directory.
+        config: the resolved config, recorded by W&B.
+        start_step: the step the run (re)starts from.
     """
 
-    def __init__(self, project: str, run_dir: str | Path, config: dict[str, Any]):
+    def __init__(
+        self, project: str, run_dir: str | Path, config: dict[str, Any], start_step: int = 0
+    ):
         try:
             import wandb
         except ImportError as err:
@@ -206,10 +223,25 @@ class WandbSink:
             name=Path(run_dir).resolve().name,
             id=_wandb_run_id(run_dir), resume="allow",
         )  # fmt: skip
+        self._start_step = start_step
+        self._next_step = int(getattr(self._run, "starting_step", 0) or 0)
+        self._warned = False
 
     def log(self, metrics: dict[str, Any]) -> None:
-        """Logs one step's scalars."""
-        self._run.log(_scalars(metrics), step=metrics["step"])
+        """Logs one step's scalars (not a redone step the W&B run already holds)."""
+        step = metrics["step"]
+        if step < self._next_step:
+            if not self._warned:
+                self._warned = True
+                log.warning(
+                    "W&B run %s already holds steps up to %d, logged before this run resumed "
+                    "from step %d; W&B keeps only increasing steps, so steps %d to %d are not "
+                    "sent again (W&B shows the earlier values, metrics.jsonl this run's)",
+                    getattr(self._run, "id", "?"), self._next_step - 1, self._start_step,
+                    step, self._next_step - 1,
+                )  # fmt: skip
+            return
+        self._run.log(_scalars(metrics), step=step)
 
     def close(self) -> None:
         """Finishes the run."""
@@ -255,5 +287,5 @@ def build_sinks(
     if tensorboard:
         sinks.append(TensorBoardSink(run_dir, start_step))
     if wandb_project:
-        sinks.append(WandbSink(wandb_project, run_dir, config))
+        sinks.append(WandbSink(wandb_project, run_dir, config, start_step))
     return sinks
