@@ -229,6 +229,8 @@ def test_convert_and_generate_name_a_damaged_checkpoint_in_a_one_line_error(
     shutil.copytree(mt_checkpoint, tmp_path / "empty_metadata", dirs_exist_ok=True)
     (tmp_path / "empty_metadata" / ".metadata").write_bytes(b"")
     for checkpoint in (damaged, tmp_path / "empty_metadata"):
+        # A real tokenizer: generate reads it, a cheap check, before the weights.
+        _write_word_tokenizer(checkpoint, {"eos_token": "</s>"})
         _assert_mt_to_hf_and_generate_refuse(
             checkpoint, tmp_path / "back", capsys,
             f"checkpoint {checkpoint} cannot be read, it is damaged", "give another checkpoint",
@@ -321,12 +323,17 @@ def test_a_checkpoint_whose_corpus_tokenizer_is_not_found_is_an_error_not_anothe
         convert.training_tokenizer(checkpoint)
 
 
-def test_generate_with_a_tokenizer_larger_than_the_model_names_the_token_and_tokenizer(
-    tmp_path, mt_checkpoint, capsys
+def test_generate_with_a_tokenizer_larger_than_the_model_names_the_token_before_reading_weights(
+    tmp_path, mt_checkpoint, capsys, monkeypatch
 ):
     checkpoint = tmp_path / "model_only"
     shutil.copytree(mt_checkpoint, checkpoint)
     (checkpoint / "tokenizer.json").unlink()  # mt-data's default: more than 512 tokens
+
+    def read_weights(path):
+        raise AssertionError("the config alone tells the prompt does not fit the model")
+
+    monkeypatch.setattr("mt_train.generate.read_mt_checkpoint", read_weights)
     argv = ["generate", "--checkpoint", str(checkpoint), "--prompt", "def hello_world():"]
     assert main(argv) == 2
     err = capsys.readouterr().err

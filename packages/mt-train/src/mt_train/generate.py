@@ -18,7 +18,7 @@ import torch
 from mt_data import default_tokenizer_path
 from mt_data.tokenizer import load_tokenizer
 from mt_models import MODEL_FAMILIES
-from mt_train.convert import read_mt_checkpoint, training_tokenizer
+from mt_train.convert import _mt_checkpoint_config, read_mt_checkpoint, training_tokenizer
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -113,6 +113,20 @@ def generate(
         raise ValueError(f"--device {device}: no CUDA device is available here; use --device cpu")
     checkpoint = Path(checkpoint)
     tokenizer_path = training_tokenizer(checkpoint) or default_tokenizer_path()
+    # The prompt is checked against the config's vocabulary before the weights are read.
+    vocab_size = _mt_checkpoint_config(checkpoint).vocab_size
+    tokenizer = load_tokenizer(tokenizer_path)
+    ids = encode_prompt(tokenizer.tokenizer, prompt)
+    if not ids:
+        ids = [tokenizer.eos_id]  # start a fresh document
+    outside = [i for i in ids if i >= vocab_size]
+    if outside:
+        raise ValueError(
+            f"the prompt's token {outside[0]} ({tokenizer.tokenizer.id_to_token(outside[0])!r}) "
+            f"is outside the model's vocabulary (vocab_size {vocab_size}): the "
+            f"tokenizer {tokenizer_path} ({tokenizer.vocab_size} tokens) is not the model's; "
+            f"copy the model's tokenizer.json into {checkpoint}"
+        )
     model_config, canonical = read_mt_checkpoint(checkpoint)
     family = next(n for n, (cls, _) in MODEL_FAMILIES.items() if isinstance(model_config, cls))
     with torch.device("meta"):
@@ -123,18 +137,6 @@ def generate(
         for key, target in model.canonical_parameters().items():
             target.copy_(canonical[key])
     model.eval()
-    tokenizer = load_tokenizer(tokenizer_path)
-    ids = encode_prompt(tokenizer.tokenizer, prompt)
-    if not ids:
-        ids = [tokenizer.eos_id]  # start a fresh document
-    outside = [i for i in ids if i >= model_config.vocab_size]
-    if outside:
-        raise ValueError(
-            f"the prompt's token {outside[0]} ({tokenizer.tokenizer.id_to_token(outside[0])!r}) "
-            f"is outside the model's vocabulary (vocab_size {model_config.vocab_size}): the "
-            f"tokenizer {tokenizer_path} ({tokenizer.vocab_size} tokens) is not the model's; "
-            f"copy the model's tokenizer.json into {checkpoint}"
-        )
     generator = torch.Generator().manual_seed(seed)
     new = []
     with torch.no_grad():
