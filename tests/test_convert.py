@@ -375,6 +375,31 @@ def test_parse_size_reads_decimal_and_binary_units():
         parse_size("five gigs")
 
 
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("2.01GB", 2_010_000_000),  # float arithmetic gave 2_009_999_999
+        ("4.1GB", 4_100_000_000),
+        ("1.5GiB", 3 * 2**29),
+        ("0.5KiB", 512),
+        ("123456789123456789", 123456789123456789),  # past float's 53 bits
+        ("0.3KiB", 307),  # 307.2 bytes: the nearest byte
+        ("1.9", 2),
+        (".5GB", 500_000_000),
+        (" 7 mib ", 7 * 2**20),
+    ],
+)
+def test_parse_size_is_exact_and_rounds_to_the_nearest_byte(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["5iB", "5GiBB", "\uff15GB", "1.2.3GB", "5 G B", "", "nan", "1e9"])
+def test_parse_size_refuses_what_is_not_a_size_naming_it(text):
+    shown = re.escape(repr(text))
+    with pytest.raises(ValueError, match=rf"--max-shard-size \({shown}\) must look like 5GB"):
+        parse_size(text)
+
+
 def test_a_max_shard_size_below_one_byte_is_refused_not_one_tensor_per_shard(
     tmp_path, mt_checkpoint, capsys
 ):

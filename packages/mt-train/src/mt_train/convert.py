@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import warnings
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,8 @@ TOKENIZER_FILES = (
 )
 _STATE_FILE = "train_state.json"
 _OTHER_CHECKPOINT = "give another checkpoint (an earlier step_N of the run, or convert again)"
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
+# ASCII digits only (\d also takes other scripts' digits); ".5" and "5." are numbers too.
+_SIZE = re.compile(r"^\s*(\d+\.?\d*|\.\d+)\s*((?:[KMGT]i?)?B)?\s*$", re.IGNORECASE | re.ASCII)
 _UNITS = {
     "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
@@ -67,13 +69,17 @@ def parse_size(text: str) -> int:
         text: a number with an optional unit B, KB, MB, GB, TB, KiB, MiB, GiB, TiB.
 
     Returns:
-        The size in bytes.
+        The size in bytes, computed exactly (no float rounding) and rounded to the nearest
+        byte.
     """
     match = _SIZE.match(text)
     if not match:
-        raise ValueError(f"--max-shard-size ({text!r}) must look like 5GB, 500MB or 2GiB")
+        raise ValueError(
+            f"--max-shard-size ({text!r}) must look like 5GB, 1.5GiB, 500MB or 1000: a "
+            "number and one of the units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
+        )
     unit = (match.group(2) or "B").lower()
-    size = int(float(match.group(1)) * _UNITS[unit])
+    size = round(Fraction(match.group(1)) * _UNITS[unit])
     if size < 1:  # 0 would put every tensor in a shard of its own
         raise ValueError(f"--max-shard-size ({text!r}) must be at least 1 byte, e.g. 5GB")
     return size
