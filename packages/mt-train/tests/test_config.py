@@ -201,6 +201,18 @@ def test_cli_reports_bad_input_without_a_traceback(capsys):
     assert "did you mean 'training.max_steps'" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [["training.max_steps"], ["seed", "--print-config"], ["tiny", "training.max_steps"]],
+)
+def test_a_config_key_without_a_value_is_named_as_one_not_as_an_unknown_recipe(argv, capsys):
+    assert main(["pretrain", *argv]) == 2
+    err = capsys.readouterr().err
+    key = next(a for a in argv if a not in RECIPES and not a.startswith("-"))
+    assert f"{key!r} is a config key without a value; write {key}=VALUE" in err, err
+    assert "unknown recipe" not in err
+
+
 def test_python_dash_m_runs_the_same_cli():
     result = subprocess.run(
         [sys.executable, "-m", "mt_train", "pretrain", "--print-config", "seed=5"],

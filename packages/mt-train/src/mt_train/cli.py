@@ -167,6 +167,17 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _is_config_key(word: str) -> bool:
+    """True for a word that names a config key (dotted, or a top-level one), not a recipe."""
+    import dataclasses
+
+    from mt_train.config import JobConfig
+
+    if word in RECIPES:
+        return False
+    return "." in word or word in {f.name for f in dataclasses.fields(JobConfig)}
+
+
 def _configure_logging() -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
@@ -211,9 +222,15 @@ def _main(argv: list[str] | None) -> int:
 
     positional = list(args.args)
     recipe = "debug"
-    if positional and "=" not in positional[0]:
-        recipe = positional.pop(0)
     try:
+        for word in positional:
+            if "=" not in word and _is_config_key(word):
+                raise ValueError(
+                    f"{word!r} is a config key without a value; write {word}=VALUE "
+                    "(--print-config shows every key with its value)"
+                )
+        if positional and "=" not in positional[0]:
+            recipe = positional.pop(0)
         extra = [p for p in positional if "=" not in p]
         if extra:
             raise ValueError(
