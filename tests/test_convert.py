@@ -462,6 +462,27 @@ def test_a_wrong_init_from_fails_before_the_model_is_built_or_run_dir_made(tmp_p
     assert not (tmp_path / "run").exists()
 
 
+def test_a_run_directory_given_for_a_checkpoint_is_told_apart_naming_its_newest_step(
+    tmp_path, mt_checkpoint, capsys
+):
+    run = tmp_path / "run"
+    for step in (2, 4):
+        shutil.copytree(mt_checkpoint, run / "checkpoints" / f"step_{step:08d}")
+    newest = run / "checkpoints" / "step_00000004"
+    for given in (run, run / "checkpoints"):
+        for argv in (
+            ["convert", "mt-to-hf", "--checkpoint", str(given), "--out", str(tmp_path / "o")],
+            ["generate", "--checkpoint", str(given), "--prompt", "x"],
+        ):
+            assert main(argv) == 2
+            err = capsys.readouterr().err
+            assert f"{given} is a run's directory, not a checkpoint: its newest checkpoint " \
+                f"is {newest}" in err, err
+        overrides = [f"run_dir={tmp_path / 'new'}", f"init_from={given}"]
+        with pytest.raises(ValueError, match=rf"its newest checkpoint is {re.escape(str(newest))}"):
+            setup(resolve_config(get_recipe("tiny"), overrides=overrides))
+
+
 def test_a_run_with_a_checkpoint_to_resume_ignores_a_missing_init_from(tmp_path):
     run = [f"run_dir={tmp_path / 'run'}", "training.max_steps=1"]
     pretrain(resolve_config(get_recipe("tiny"), overrides=run))

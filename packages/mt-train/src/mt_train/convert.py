@@ -37,6 +37,8 @@ from mt_models.hf_config import config_from_hf
 from mt_train.checkpoint import (
     FORMAT_VERSION,
     check_format_version,
+    checkpoint_root,
+    latest_checkpoint,
     load_model_weights,
     reading_checkpoint,
 )
@@ -235,9 +237,22 @@ def read_mt_checkpoint(path: str | Path) -> tuple[Any, dict[str, torch.Tensor]]:
     return model_config, {k.removeprefix("model/"): v for k, v in tensors.items()}
 
 
+def _refuse_a_run_dir(path: Path, given: str) -> None:
+    """Raises a ValueError naming the newest checkpoint when `path`, given where a
+    checkpoint is wanted, is a run directory (or its ``checkpoints/``) holding one."""
+    for root in (checkpoint_root(path), path):
+        newest = latest_checkpoint(root)
+        if newest is not None:
+            raise ValueError(
+                f"{given}{path} is a run's directory, not a checkpoint: its newest checkpoint "
+                f"is {newest.path}; give that (or another step_N directory beside it)"
+            )
+
+
 def _mt_checkpoint_config(path: Path) -> Any:
     """The model config of a complete mt checkpoint (from its ``train_state.json``)."""
     if not (path / ".metadata").is_file() or not (path / _STATE_FILE).is_file():
+        _refuse_a_run_dir(path, "")
         raise ValueError(
             f"{path} is not a complete mt checkpoint (.metadata and {_STATE_FILE}); give a "
             "step_N directory of a run or the output of `mt-train convert hf-to-mt`"
@@ -379,6 +394,7 @@ def _init_source_kind(path: Path) -> str:
         return "hf"
     if (path / ".metadata").is_file():
         return "mt"
+    _refuse_a_run_dir(path, "init_from: ")
     raise ValueError(
         f"init_from ({str(path)!r}) is neither a Hugging Face directory (config.json + "
         "*.safetensors) nor an mt checkpoint (.metadata + train_state.json)"
