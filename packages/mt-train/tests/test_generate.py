@@ -49,3 +49,11 @@ def test_sampling_at_a_tiny_temperature_picks_the_likeliest_token():
 def test_a_nan_temperature_is_a_value_error_naming_it():
     with pytest.raises(ValueError, match=r"--temperature \(nan\)"):
         generate("no-checkpoint-needed", "x", temperature=float("nan"))
+
+
+def test_a_cuda_device_index_past_the_gpus_here_is_a_value_error_naming_it(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"--device cuda:2: this machine has 2 CUDA devices "
+                       r"\(cuda:0 to cuda:1\)"):  # fmt: skip
+        generate("no-checkpoint-needed", "x", device="cuda:2")

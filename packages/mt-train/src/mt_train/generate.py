@@ -111,6 +111,14 @@ def generate(
         raise ValueError(f"--device ({device!r}) must be cpu, cuda or cuda:N")
     if device_type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {device}: no CUDA device is available here; use --device cpu")
+    index = torch.device(device).index if device_type == "cuda" else None
+    if index is not None and index >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        names = "cuda:0" if count == 1 else f"cuda:0 to cuda:{count - 1}"
+        raise ValueError(
+            f"--device {device}: this machine has {count} CUDA device"
+            f"{'' if count == 1 else 's'} ({names}); choose one of them"
+        )
     checkpoint = Path(checkpoint)
     tokenizer_path = training_tokenizer(checkpoint) or default_tokenizer_path()
     # The prompt is checked against the config's vocabulary before the weights are read.
