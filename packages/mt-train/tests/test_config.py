@@ -241,6 +241,21 @@ def test_a_run_dir_that_is_a_file_is_a_one_line_error(tmp_path, capsys):
         assert f"run_dir ({str(run_dir)!r}) {rule}" in err and "Traceback" not in err
 
 
+def test_a_checkpoints_path_that_cannot_be_a_directory_fails_before_any_step(
+    tmp_path, capsys, monkeypatch
+):
+    import mt_train.train
+
+    def train_step(*args):
+        raise AssertionError("a step ran before the checkpoint directory was checked")
+
+    monkeypatch.setattr(mt_train.train, "train_step", train_step)
+    (tmp_path / "checkpoints").write_text("a file where checkpoints go\n")
+    assert main(["pretrain", "tiny", f"run_dir={tmp_path}", "training.max_steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'checkpoints'} cannot be created" in err and "Traceback" not in err, err
+
+
 def test_a_run_dir_and_init_from_starting_with_a_tilde_are_under_the_home_directory(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text('run_dir = "~/runs/r"\ninit_from = "~/hf"\n')

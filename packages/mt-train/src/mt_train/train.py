@@ -208,6 +208,13 @@ def setup(cfg: JobConfig) -> TrainState:
             raise ValueError(
                 f"run_dir ({cfg.run_dir!r}) cannot be created ({e}); choose another run_dir"
             ) from None
+        try:  # now, not at the first save after hours of steps
+            checkpoint_root(run_dir).mkdir(exist_ok=True)
+        except OSError as e:  # a file of that name, no permission, ...
+            raise ValueError(
+                f"the checkpoint directory {checkpoint_root(run_dir)} cannot be created "
+                f"({e}); move what is there away or choose another run_dir"
+            ) from None
     barrier()
     latest = latest_checkpoint(checkpoint_root(run_dir))
     if latest is not None and not cfg.checkpoint.resume:
