@@ -78,3 +78,30 @@ def test_wandb_is_not_sent_again_the_steps_it_holds_after_a_resume_and_warns_onc
     assert run.logged == [6, 7, 8]
     (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert "steps 4 to 5" in warning and "metrics.jsonl" in warning, warning
+
+
+def test_metrics_jsonl_cut_back_on_resume_is_on_disk_before_it_replaces_the_old_one(
+    tmp_path, monkeypatch
+):
+    import os
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 6)))
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", os.path.basename(src)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    MetricsLogger(tmp_path, max_steps=9, start_step=3, stream=io.StringIO()).close()
+    # Without the fsync a power loss after the rename can leave an empty file: the whole
+    # history lost, not just the redone steps.
+    assert events[:2] == [("fsync", "metrics.jsonl.tmp"), ("replace", "metrics.jsonl.tmp")]
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]

@@ -93,7 +93,10 @@ class MetricsLogger:
             except (json.JSONDecodeError, KeyError, TypeError):
                 continue  # a torn last line from a crash
         tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
+        with open(tmp, "w") as f:
+            f.write("".join(line + "\n" for line in kept))
+            f.flush()
+            os.fsync(f.fileno())  # else a power loss after the rename can leave it empty
         os.replace(tmp, self.path)
 
     def log(self, metrics: dict[str, Any]) -> None:
