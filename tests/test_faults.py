@@ -440,6 +440,23 @@ def test_resuming_or_initializing_a_different_model_names_the_mismatch(tmp_path)
         pretrain(_cfg(source, "training.max_steps=2", "model.moe_intermediate_size=16"))
 
 
+def test_resuming_with_a_recipe_of_another_model_family_names_the_family_and_its_recipes(
+    tmp_path, monkeypatch
+):
+    pretrain(_cfg(tmp_path, "training.max_steps=1"))
+    loads = []
+    monkeypatch.setattr(train_module, "load_checkpoint", lambda *a: loads.append(a))
+    other = resolve_config(get_recipe("debug-gpt-oss"), overrides=[
+        f"run_dir={tmp_path}", "training.max_steps=2", "data.seq_len=64",
+    ])  # fmt: skip
+    # model.* overrides cannot turn one family into another: the recipe has to change.
+    with pytest.raises(ValueError, match=r"checkpoint .*step_00000001 holds a qwen3_moe model "
+                       r"but this run builds a gpt_oss one; resume with a qwen3_moe recipe "
+                       r"\(debug, tiny, qwen3-30b-a3b\) or use a new run_dir"):  # fmt: skip
+        pretrain(other)
+    assert loads == [], "the tensors were not read"
+
+
 def test_resuming_with_another_seq_len_names_the_checkpoint_and_fails_before_loading_it(
     tmp_path, monkeypatch
 ):

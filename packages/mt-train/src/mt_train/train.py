@@ -43,7 +43,7 @@ from mt_train.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from mt_train.config import JobConfig
+from mt_train.config import JobConfig, family_of
 from mt_train.convert import _init_source_kind, init_config_differences, init_from_weights
 from mt_train.distributed import Env, all_reduce, barrier, init_distributed
 from mt_train.faults import NonFiniteError, agree_to_stop, stop_on_signals, write_exit_file
@@ -280,7 +280,9 @@ def _log_default_corpus_build(path: Path) -> None:
 def _resume(state: TrainState, checkpoint) -> None:
     # The data loader first: a changed data.* fails before minutes of loading tensors.
     # A damaged file raises naming it.
-    data_state = checkpoint.train_state(needed=("step", "data", "config"))["data"]
+    saved_state = checkpoint.train_state(needed=("step", "data", "config"))
+    _check_same_family(checkpoint, saved_state["config"], state.cfg)
+    data_state = saved_state["data"]
     try:
         state.dataset.load_state_dict(data_state)
     except ValueError as e:
@@ -321,6 +323,22 @@ def _resume(state: TrainState, checkpoint) -> None:
             new_lr,
             old_lr,
         )
+
+
+def _check_same_family(checkpoint, saved_config: Any, cfg: JobConfig) -> None:
+    """Raises when the checkpoint's model is of another family than the run's (a recipe of
+    another family: no model.* override can make the tensors match)."""
+    from mt_train.recipes import RECIPES
+
+    theirs = saved_config.get("model_family") if isinstance(saved_config, dict) else None
+    ours = cfg.to_dict()["model_family"]
+    if theirs is None or theirs == ours:
+        return
+    recipes = [name for name, recipe in RECIPES.items() if family_of(recipe().model) == theirs]
+    raise ValueError(
+        f"checkpoint {checkpoint.path} holds a {theirs} model but this run builds a {ours} "
+        f"one; resume with a {theirs} recipe ({', '.join(recipes)}) or use a new run_dir"
+    )
 
 
 def _write_json_atomic(path: Path, data: Any) -> None:
