@@ -105,3 +105,27 @@ def test_metrics_jsonl_cut_back_on_resume_is_on_disk_before_it_replaces_the_old_
     # history lost, not just the redone steps.
     assert events[:2] == [("fsync", "metrics.jsonl.tmp"), ("replace", "metrics.jsonl.tmp")]
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
+
+
+def test_a_wandb_run_that_cannot_start_is_a_value_error_naming_the_key_and_ways_out(
+    tmp_path, monkeypatch
+):
+    import sys
+    import types
+
+    from mt_train.metrics import build_sinks
+
+    class Error(Exception):  # wandb.errors.Error, the base of UsageError, CommError, ...
+        pass
+
+    def init(**kwargs):
+        raise Error("No API key configured. Use `wandb login` to log in.")
+
+    fake = types.ModuleType("wandb")
+    fake.init = init
+    fake.errors = types.SimpleNamespace(Error=Error)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    with pytest.raises(ValueError, match=r"metrics.wandb_project='proj': W&B could not start a "
+                       r"run \(No API key configured.*\); log in with `wandb login`, set "
+                       r"WANDB_MODE=offline, or set metrics.wandb_project=''"):  # fmt: skip
+        build_sinks(tmp_path, False, "proj", {})

@@ -221,11 +221,19 @@ class WandbSink:
                 "pip install 'mt-train[wandb]' or set metrics.wandb_project=''"
             ) from err
         self._wandb = wandb
-        self._run = wandb.init(
-            project=project, dir=str(run_dir), config=config,
-            name=Path(run_dir).resolve().name,
-            id=_wandb_run_id(run_dir), resume="allow",
-        )  # fmt: skip
+        try:
+            self._run = wandb.init(
+                project=project, dir=str(run_dir), config=config,
+                name=Path(run_dir).resolve().name,
+                id=_wandb_run_id(run_dir), resume="allow",
+            )  # fmt: skip
+        except wandb.errors.Error as err:  # not logged in, no network, a bad project name
+            detail = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
+            raise ValueError(
+                f"metrics.wandb_project={project!r}: W&B could not start a run "
+                f"({detail or type(err).__name__}); log in with `wandb login`, set "
+                "WANDB_MODE=offline, or set metrics.wandb_project=''"
+            ) from None
         self._start_step = start_step
         self._next_step = int(getattr(self._run, "starting_step", 0) or 0)
         self._warned = False
