@@ -213,6 +213,15 @@ def test_a_config_key_without_a_value_is_named_as_one_not_as_an_unknown_recipe(a
     assert "unknown recipe" not in err
 
 
+@pytest.mark.parametrize("argv", [["./my.toml"], ["tiny", "runs/a.b"], ["my.toml"]])
+def test_a_word_that_is_no_config_key_is_not_called_one(argv, capsys):
+    assert main(["pretrain", *argv]) == 2
+    err = capsys.readouterr().err
+    assert "config key without a value" not in err, err
+    if argv[-1].endswith(".toml"):  # a config file given without --config
+        assert f"pass a TOML file with --config {argv[-1]}" in err, err
+
+
 def test_python_dash_m_runs_the_same_cli():
     result = subprocess.run(
         [sys.executable, "-m", "mt_train", "pretrain", "--print-config", "seed=5"],

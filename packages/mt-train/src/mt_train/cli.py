@@ -168,14 +168,17 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _is_config_key(word: str) -> bool:
-    """True for a word that names a config key (dotted, or a top-level one), not a recipe."""
+    """True for a word that names a config key (a top-level one or one under a section:
+    ``seed``, ``training.max_steps``), not a recipe, a file or a path."""
     import dataclasses
+    import re
 
     from mt_train.config import JobConfig
 
-    if word in RECIPES:
+    if word in RECIPES or not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", word):
         return False
-    return "." in word or word in {f.name for f in dataclasses.fields(JobConfig)}
+    top_level = {f.name for f in dataclasses.fields(JobConfig)}
+    return word.split(".")[0] in top_level and not word.endswith(".toml")
 
 
 def _configure_logging() -> None:
@@ -231,6 +234,10 @@ def _main(argv: list[str] | None) -> int:
                 )
         if positional and "=" not in positional[0]:
             recipe = positional.pop(0)
+            if recipe not in RECIPES and recipe.endswith(".toml"):
+                raise ValueError(
+                    f"{recipe!r} is not a recipe; pass a TOML file with --config {recipe}"
+                )
         extra = [p for p in positional if "=" not in p]
         if extra:
             raise ValueError(
