@@ -395,6 +395,28 @@ def test_a_rank_that_hangs_mid_run_ends_the_run_with_a_clear_error(tmp_path):
     assert "timed out" in output and "parallel.timeout_s" in output, output[-3000:]
 
 
+def test_a_second_run_on_a_run_dir_in_use_is_refused_and_touches_nothing(tmp_path):
+    import fcntl
+
+    cfg = _cfg(tmp_path, "training.max_steps=2", "checkpoint.interval=1")
+    pretrain(cfg)  # ends, so the run_dir is free again
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p.name != ".lock"}
+    with open(tmp_path / ".lock", "a+") as other:  # another process's run holds the run_dir
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        other.seek(0)
+        other.truncate()
+        other.write("pid 4242 on node7\n")
+        other.flush()
+        again = _cfg(tmp_path, "training.max_steps=4", "checkpoint.interval=1")
+        with pytest.raises(ValueError, match=rf"run_dir {re.escape(str(tmp_path))} is in use by "
+                           r"another mt-train run \(pid 4242 on node7\); wait for it to end "
+                           r"or choose another run_dir"):  # fmt: skip
+            pretrain(again)
+    after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p.name != ".lock"}
+    assert after == before, "the refused run wrote to the run_dir"
+    assert pretrain(again).step == 4  # free once the other run ends
+
+
 def test_a_fresh_run_into_a_run_dir_with_checkpoints_is_refused(tmp_path):
     pretrain(_cfg(tmp_path, "training.max_steps=2", "checkpoint.interval=2"))
     with pytest.raises(ValueError, match="checkpoint.resume=false but .* holds checkpoints"):

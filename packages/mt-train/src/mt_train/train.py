@@ -9,12 +9,14 @@ metrics, and save a checkpoint every `checkpoint.interval` steps and at the end.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import math
 import os
 import resource
 import shlex
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,6 +82,8 @@ class TrainState:
     signal_received: bool = False  # this rank's, set by the signal handler
     stop_requested: bool = False  # agreed by all ranks at a step boundary
     losses: list[float] = field(default_factory=list)
+    # The main rank's open <run_dir>/.lock (see `_lock_run_dir`); closing it frees the run_dir.
+    run_lock: TextIO | None = None
 
     @property
     def device(self) -> torch.device:
@@ -109,7 +113,9 @@ def setup(cfg: JobConfig) -> TrainState:
     """Builds data, model (meta → parallelize → init_weights) and optimizer, then resumes.
 
     Under torchrun the process joins the process group first; the layout comes from
-    `cfg.parallel` and the world size.
+    `cfg.parallel` and the world size. The main rank holds the run directory's lock
+    (`_lock_run_dir`) in `TrainState.run_lock` from before the resume on; `pretrain`
+    closes it at the end (a caller of `setup` alone closes it, or drops the state).
 
     Args:
         cfg: the resolved run config.
@@ -208,6 +214,22 @@ def setup(cfg: JobConfig) -> TrainState:
             raise ValueError(
                 f"run_dir ({cfg.run_dir!r}) cannot be created ({e}); choose another run_dir"
             ) from None
+        state.run_lock = _lock_run_dir(run_dir)
+    try:
+        _resume_or_start(state, run_dir)
+    except BaseException:  # free the run_dir now, not when the traceback is collected
+        if state.run_lock is not None:
+            state.run_lock.close()
+            state.run_lock = None
+        raise
+    return state
+
+
+def _resume_or_start(state: TrainState, run_dir: Path) -> None:
+    """Resumes from the run_dir's newest checkpoint, else starts from `init_from` or the
+    initialized weights; records the run's config (the end of `setup`)."""
+    cfg, env, model = state.cfg, state.env, state.model
+    if env.is_main:
         try:  # now, not at the first save after hours of steps
             checkpoint_root(run_dir).mkdir(exist_ok=True)
         except OSError as e:  # a file of that name, no permission, ...
@@ -242,7 +264,45 @@ def setup(cfg: JobConfig) -> TrainState:
             )
     if env.is_main:
         _write_json_atomic(run_dir / "config.json", cfg.to_dict())
-    return state
+
+
+def _lock_run_dir(run_dir: Path) -> TextIO:
+    """Takes ``<run_dir>/.lock`` for this process, so that a second run started on the same
+    run_dir (a job launched twice, a requeue while the first still runs) fails at once
+    instead of resuming from the same checkpoint and overwriting the first run's
+    checkpoints and metrics. The lock is an exclusive `flock`, which the OS drops when the
+    process ends, a crash included; the file says who holds it.
+
+    Args:
+        run_dir: the run directory (it exists).
+
+    Returns:
+        The open lock file; closing it frees the run_dir.
+    """
+    path = run_dir / ".lock"
+    lock = open(path, "a+")  # noqa: SIM115 (held for the run; closed by pretrain)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "holder unknown"
+        lock.close()
+        raise ValueError(
+            f"run_dir {run_dir} is in use by another mt-train run ({holder}); wait for it "
+            "to end or choose another run_dir"
+        ) from None
+    except OSError as err:  # a filesystem without flock
+        log.warning(
+            "cannot lock %s (%s): make sure no other run uses this run_dir at the same time",
+            path,
+            err,
+        )
+        return lock
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    lock.flush()
+    return lock
 
 
 def _shell_override(key: str, value: Any) -> str:
@@ -575,6 +635,17 @@ def pretrain(cfg: JobConfig, *, stream: TextIO | None = None) -> TrainState:
         The final loop state (`state.losses` holds this invocation's losses).
     """
     state = setup(cfg)
+    try:
+        return _train(state, stream)
+    finally:
+        if state.run_lock is not None:
+            state.run_lock.close()  # the run_dir is free for the next run
+            state.run_lock = None
+
+
+def _train(state: TrainState, stream: TextIO | None) -> TrainState:
+    """The loop of `pretrain` on a set-up state."""
+    cfg = state.cfg
     max_steps = cfg.training.max_steps
     if state.step >= max_steps:
         log.warning(
