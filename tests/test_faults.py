@@ -448,6 +448,31 @@ def test_an_async_checkpoint_completes_once_written_not_at_the_next_save(tmp_pat
     assert _steps(tmp_path) == [2]
 
 
+def test_a_crash_in_one_process_completes_the_background_save_it_had_staged(
+    tmp_path, monkeypatch
+):
+    # The save of step 2 is staged (tensors copied) but, its files not yet reported
+    # written, not completed when step 3 crashes: in one process nothing else waits on
+    # the completion, so the crash completes it rather than losing the step.
+    monkeypatch.setattr(checkpoint_module.AsyncCheckpointer, "written", lambda writer: False)
+    real_step = train_module.train_step
+
+    def crash_at_step_3(state, microbatches, *args):
+        if state.step == 2:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return real_step(state, microbatches, *args)
+
+    monkeypatch.setattr(train_module, "train_step", crash_at_step_3)
+    cfg = _cfg(tmp_path, "training.max_steps=6", "checkpoint.interval=2",
+               "checkpoint.async_save=true")  # fmt: skip
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        pretrain(cfg)
+    assert _steps(tmp_path) == [2]
+    monkeypatch.undo()
+    resumed = pretrain(cfg)
+    assert resumed.step == 6 and len(resumed.losses) == 4  # from step 2
+
+
 def test_resuming_or_initializing_a_different_model_names_the_mismatch(tmp_path):
     source = tmp_path / "source"
     pretrain(_cfg(source, "training.max_steps=1"))

@@ -614,6 +614,22 @@ def _finish_pending_save(writer: AsyncCheckpointer | None) -> None:
         log.info("saved checkpoint %s", checkpoint.path)
 
 
+def _complete_staged_save_alone(state: TrainState, writer: AsyncCheckpointer | None) -> None:
+    """After a crash of a one-process run, completes the background save it had started.
+
+    Its tensors were copied at its step, so the steps after it do not change it; without
+    this, the crash left it a temporary directory and the resume went back a whole
+    checkpoint interval. With more processes completing a save is collective and the
+    others may be gone, so it stays unfinished there.
+    """
+    if writer is None or not writer.pending or state.env.world_size > 1:
+        return
+    try:
+        _finish_pending_save(writer)
+    except Exception as err:  # the crash's own error is the one to raise
+        log.warning("the background save could not be completed after the crash: %s", err)
+
+
 def _finish_written_save(state: TrainState, writer: AsyncCheckpointer | None) -> None:
     """Completes a background save once every rank has written its files, so a crash
     after that loses nothing (all ranks agree, as completing it is collective)."""
@@ -722,6 +738,9 @@ def _train(state: TrainState, stream: TextIO | None) -> TrainState:
                 _save(state, writer)
             _finish_pending_save(writer)
         write_exit_file(state)
+    except Exception:
+        _complete_staged_save_alone(state, writer)
+        raise
     finally:
         profiler.close()
         if metrics is not None:
