@@ -129,3 +129,27 @@ def test_a_wandb_run_that_cannot_start_is_a_value_error_naming_the_key_and_ways_
                        r"run \(No API key configured.*\); log in with `wandb login`, set "
                        r"WANDB_MODE=offline, or set metrics.wandb_project=''"):  # fmt: skip
         build_sinks(tmp_path, False, "proj", {})
+
+
+def test_sinks_already_open_are_closed_when_a_later_one_cannot_start(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    from mt_train.metrics import build_sinks
+
+    closed = []
+
+    class FakeWriter:  # stands in for torch.utils.tensorboard.SummaryWriter
+        def __init__(self, log_dir, purge_step=None):
+            pass
+
+        def close(self):
+            closed.append("tensorboard")
+
+    tensorboard = types.ModuleType("torch.utils.tensorboard")
+    tensorboard.SummaryWriter = FakeWriter
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", tensorboard)
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed: import fails
+    with pytest.raises(ValueError, match="needs the wandb package"):
+        build_sinks(tmp_path, True, "proj", {})
+    assert closed == ["tensorboard"]

@@ -295,8 +295,13 @@ def build_sinks(
         The sinks, for `MetricsLogger(sinks=...)`.
     """
     sinks: list[Any] = []
-    if tensorboard:
-        sinks.append(TensorBoardSink(run_dir, start_step))
-    if wandb_project:
-        sinks.append(WandbSink(wandb_project, run_dir, config, start_step))
+    try:
+        if tensorboard:
+            sinks.append(TensorBoardSink(run_dir, start_step))
+        if wandb_project:
+            sinks.append(WandbSink(wandb_project, run_dir, config, start_step))
+    except BaseException:  # the ones already open are closed, their files complete
+        for sink in sinks:
+            sink.close()
+        raise
     return sinks
