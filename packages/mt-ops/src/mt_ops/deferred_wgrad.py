@@ -42,14 +42,19 @@ class WeightGradQueue:
         self._pending.append(compute)
 
     def flush(self) -> int:
-        """Runs every pending weight-gradient computation, oldest first.
+        """Runs every pending weight-gradient computation, oldest first, with grad mode off.
+
+        The closures read activations that require grad; with grad mode on each ``.grad``
+        would record a graph back to them (and keep them alive), as autograd's own weight
+        gradients never do.
 
         Returns:
             How many were run.
         """
         pending, self._pending = self._pending, []
-        for compute in pending:
-            compute()
+        with torch.no_grad():
+            for compute in pending:
+                compute()
         return len(pending)
 
     def __len__(self) -> int:
