@@ -42,6 +42,47 @@ def _deferred_pair(kind: str) -> tuple[nn.Module, nn.Module, WeightGradQueue]:
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_autograd_grad_returns_the_weight_gradient_and_leaves_grad_and_queue_alone(kind):
+    immediate, deferred, queue = _deferred_pair(kind)
+    x_RD = torch.randn(16, 128, requires_grad=True)
+    want = torch.autograd.grad(_call(immediate, x_RD).square().sum(), [x_RD, immediate.weight])
+    got = torch.autograd.grad(_call(deferred, x_RD).square().sum(), [x_RD, deferred.weight])
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    assert len(queue) == 0 and deferred.weight.grad is None
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_autograd_grad_of_the_input_only_queues_no_weight_gradient(kind):
+    immediate, deferred, queue = _deferred_pair(kind)
+    x_RD = torch.randn(16, 128, requires_grad=True)
+    (want,) = torch.autograd.grad(_call(immediate, x_RD).square().sum(), [x_RD])
+    (got,) = torch.autograd.grad(_call(deferred, x_RD).square().sum(), [x_RD])
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert len(queue) == 0
+    queue.flush()
+    assert deferred.weight.grad is None
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_backward_limited_to_the_input_queues_no_weight_gradient(kind):
+    _, deferred, queue = _deferred_pair(kind)
+    x_RD = torch.randn(16, 128, requires_grad=True)
+    _call(deferred, x_RD).square().sum().backward(inputs=[x_RD])
+    assert x_RD.grad is not None and len(queue) == 0 and deferred.weight.grad is None
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_backward_limited_to_the_weight_still_defers_it(kind):
+    immediate, deferred, queue = _deferred_pair(kind)
+    x_RD = torch.randn(16, 128, requires_grad=True)
+    for module in (immediate, deferred):
+        _call(module, x_RD).square().sum().backward(inputs=[module.weight])
+    assert deferred.weight.grad is None and queue.flush() == 1
+    torch.testing.assert_close(deferred.weight.grad, immediate.weight.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_flushed_weight_gradient_records_no_autograd_graph(kind):
     # The activations saved for the weight gradient require grad; a flush run with grad
     # mode on must not chain .grad to them (a graph, and the activations, kept alive).

@@ -81,6 +81,22 @@ def test_fused_mlp_defers_weight_grads_into_each_projections_queue():
         assert torch.equal(m.weight.grad, g)
 
 
+def test_fused_mlp_under_autograd_grad_returns_the_asked_weight_grads_and_queues_none():
+    counts = torch.tensor([30, 50])
+    x, grad = torch.randn(80, 128), torch.randn(80, 128)
+    immediate = _run(fp8_swiglu_experts, x, counts, grad, _projections(2, 128, 256))
+    projs = _projections(2, 128, 256)
+    queue = WeightGradQueue()
+    for m in projs:
+        m.wgrad_queue = queue
+    y = fp8_swiglu_experts(x, counts, *projs)
+    # gate and down asked for, up left out: up's gradient is neither returned nor queued.
+    got = torch.autograd.grad(y, [projs[0].weight, projs[2].weight], grad)
+    for g, want in zip(got, (immediate[2][0], immediate[2][2]), strict=True):
+        assert torch.equal(g, want)
+    assert len(queue) == 0 and all(m.weight.grad is None for m in projs)
+
+
 def test_fused_mlp_quantizes_weights_once_per_step_through_the_cache():
     cache = FP8WeightCache()
     projs = _projections(2, 128, 256, cache=cache)

@@ -8,6 +8,14 @@ computes the weight gradient and adds it to ``param.grad``, exactly as autograd 
 
 No mode flag: the queue is an attribute of the modules (``wgrad_queue``), set by the caller
 through :func:`set_weight_grad_queue`, and drained by :meth:`WeightGradQueue.flush`.
+
+Only what autograd would have *accumulated* is deferred (:func:`weight_grad_or_defer`):
+
+- ``.backward()`` (or ``.backward(inputs=[..., weight])``): queued, ``.grad`` set at flush;
+- ``torch.autograd.grad(..., inputs=[..., weight])``: computed now and returned, as
+  ``autograd.grad`` promises; nothing queued, ``.grad`` untouched;
+- a backward or ``autograd.grad`` whose inputs leave the weight out: neither computed nor
+  queued (a flush would otherwise write a ``.grad`` nobody asked for).
 """
 
 from collections.abc import Callable
@@ -24,6 +32,7 @@ __all__ = [
     "accumulate_grad",
     "make_weight_grads_deferrable",
     "set_weight_grad_queue",
+    "weight_grad_or_defer",
 ]
 
 
@@ -75,6 +84,44 @@ def accumulate_grad(param: Tensor, grad: Tensor) -> None:
         param.grad.add_(grad)
 
 
+def _accumulates_into_grad(param: Tensor) -> bool | None:
+    """What the backward running now does with ``param``'s gradient: accumulates it into
+    ``.grad`` (True), does not want it (False), or returns it from ``autograd.grad`` (None)."""
+    if not param.is_leaf:
+        return None  # no .grad to defer into: hand the gradient to autograd
+    node = torch.autograd.graph.get_gradient_edge(param).node  # its AccumulateGrad
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:
+        # Raised for a leaf that autograd.grad captures (an input of that call): PyTorch
+        # refuses to say whether it "executes", since the gradient goes to the caller.
+        return None
+
+
+def weight_grad_or_defer(
+    param: Tensor, queue: WeightGradQueue | None, compute: Callable[[], Tensor]
+) -> Tensor | None:
+    """The weight gradient a backward returns to autograd: computed now, deferred, or skipped.
+
+    Args:
+        param: The leaf weight parameter the gradient belongs to.
+        queue: The queue the layer had at forward time, or None for immediate gradients.
+        compute: Computes dW, in ``param``'s shape (any dtype); runs now or at flush.
+
+    Returns:
+        dW for autograd, or None when it was queued (``.backward()``, flushed into
+        ``param.grad``) or when the running backward does not ask for this weight.
+    """
+    if queue is None:
+        return compute()
+    accumulates = _accumulates_into_grad(param)
+    if accumulates is None:  # autograd.grad: the caller gets dW, .grad stays untouched
+        return compute()
+    if accumulates:
+        queue.push(lambda: accumulate_grad(param, compute()))
+    return None
+
+
 def set_weight_grad_queue(model: nn.Module, queue: WeightGradQueue | None) -> int:
     """Sets (or, with None, clears) the weight-gradient queue of every module that has one.
 
@@ -111,11 +158,7 @@ class _DeferredLinearFn(torch.autograd.Function):
         grad_w = None
         if ctx.needs_input_grad[1]:
             x_2d, g_2d = x.reshape(-1, x.shape[-1]), grad_y.reshape(-1, grad_y.shape[-1])
-            if ctx.queue is None:
-                grad_w = g_2d.T @ x_2d
-            else:
-                param = ctx.weight_param
-                ctx.queue.push(lambda: accumulate_grad(param, g_2d.T @ x_2d))
+            grad_w = weight_grad_or_defer(ctx.weight_param, ctx.queue, lambda: g_2d.T @ x_2d)
         return grad_x, grad_w, grad_bias, None, None
 
 

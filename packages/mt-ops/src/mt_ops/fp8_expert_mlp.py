@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from mt_ops._triton import use_kernels
-from mt_ops.deferred_wgrad import accumulate_grad
+from mt_ops.deferred_wgrad import weight_grad_or_defer
 from mt_ops.fp8_gemm import fp8_grouped_gemm, fp8_grouped_gemm_sum, fp8_grouped_wgrad
 from mt_ops.fp8_linear import FP8GroupedLinear, QuantizedWeight, _autocast_input, _weight_source
 from mt_ops.fp8_quant import Fp8Quantized, RowTiles, quantize_1x128_dual, row_tiles
@@ -76,15 +76,6 @@ class _Projections:
     def quantized(self, module: FP8GroupedLinear) -> QuantizedWeight:
         # The modules' own source: the cache (its scale format checked) or a fresh quantization.
         return _weight_source(module.weight_cache, module.scale_format)(module.weight)
-
-
-def _weight_grad(param: Tensor, queue, compute) -> Tensor | None:
-    """Returns dW now, or defers it into the queue the projection had at forward time
-    (then autograd gets None), as ``FP8GroupedLinear`` does."""
-    if queue is None:
-        return compute().view(param.shape)
-    queue.push(lambda: accumulate_grad(param, compute().view(param.shape)))
-    return None
 
 
 def _experts_forward(ctx, x_q, x_qt, tiles: RowTiles, projs: _Projections, dtype):
@@ -132,10 +123,13 @@ def _experts_backward(ctx, saved, tiles, dy_q, dy_qt, needs_input_grad, needs_we
         strict=True,
     ):  # fmt: skip
 
-        def compute(a_t=a_t, b_t=b_t, dtype=param.dtype) -> Tensor:
-            return fp8_grouped_wgrad(a_t, b_t, tiles, out_dtype=dtype, backend=backend)
+        def compute(a_t=a_t, b_t=b_t, param=param) -> Tensor:
+            dw = fp8_grouped_wgrad(a_t, b_t, tiles, out_dtype=param.dtype, backend=backend)
+            return dw.view(param.shape)
 
-        grads.append(_weight_grad(param, queue, compute) if needed else None)
+        # Now, or deferred into the queue the projection had at forward time, as
+        # FP8GroupedLinear does.
+        grads.append(weight_grad_or_defer(param, queue, compute) if needed else None)
     return grad_x, grads
 
 

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from mt_ops._dtypes import autocast_dtype
-from mt_ops.deferred_wgrad import WeightGradQueue, accumulate_grad
+from mt_ops.deferred_wgrad import WeightGradQueue, weight_grad_or_defer
 from mt_ops.fp8_gemm import fp8_grouped_gemm, fp8_grouped_wgrad
 from mt_ops.fp8_quant import (
     Fp8Quantized,
@@ -193,13 +193,13 @@ class _FP8GroupedLinearFn(torch.autograd.Function):
             x_qt = Fp8Quantized(x_data, x_scale)
             param, backend = ctx.weight_param, ctx.backend
 
-            def weight_grad() -> Tensor:
-                return fp8_grouped_wgrad(dy_qt, x_qt, tiles, out_dtype=param.dtype, backend=backend)
+            def weight_grad() -> Tensor:  # [E, O, D] or, for FP8Linear, [O, D]
+                dw = fp8_grouped_wgrad(dy_qt, x_qt, tiles, out_dtype=param.dtype, backend=backend)
+                return dw.view(param.shape)
 
-            if ctx.queue is None:
-                grad_w = weight_grad().view(ctx.w_shape)
-            else:
-                ctx.queue.push(lambda: accumulate_grad(param, weight_grad().view(param.shape)))
+            grad_w = weight_grad_or_defer(param, ctx.queue, weight_grad)
+            if grad_w is not None:
+                grad_w = grad_w.view(ctx.w_shape)
         grad_b = None
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             grad_b = segment_sum(dy_RO, counts_E).view(-1, dy_RO.shape[1]).to(ctx.bias_dtype)

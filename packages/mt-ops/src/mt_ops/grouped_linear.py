@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from mt_ops._dtypes import autocast_dtype, check_same_dtype, compute_dtype, is_integer
-from mt_ops.deferred_wgrad import WeightGradQueue, accumulate_grad
+from mt_ops.deferred_wgrad import WeightGradQueue, weight_grad_or_defer
 
 __all__ = ["GroupedLinear", "grouped_linear", "grouped_linear_reference", "segment_sum"]
 
@@ -180,13 +180,9 @@ class _GroupedLinearFn(torch.autograd.Function):
         grad_x = _input_grad(dy_RO, w_EOD, counts_E) if ctx.needs_input_grad[0] else None
         grad_w = None
         if ctx.needs_input_grad[1]:
-            if ctx.queue is None:
-                grad_w = _weight_grad(dy_RO, x_RD, counts_E, w_EOD)
-            else:
-                param = ctx.weight_param
-                ctx.queue.push(
-                    lambda: accumulate_grad(param, _weight_grad(dy_RO, x_RD, counts_E, w_EOD))
-                )
+            grad_w = weight_grad_or_defer(
+                ctx.weight_param, ctx.queue, lambda: _weight_grad(dy_RO, x_RD, counts_E, w_EOD)
+            )
         grad_b = None
         if ctx.bias_dtype is not None and ctx.needs_input_grad[3]:
             grad_b = segment_sum(dy_RO, counts_E).to(ctx.bias_dtype)
