@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mt_ops._dtypes import autocast_dtype
+from mt_ops._swap import carry_module_state, check_swappable
 
 __all__ = [
     "Linear",
@@ -185,17 +186,22 @@ class Linear(nn.Linear):
     def from_linear(cls, linear: nn.Linear) -> "Linear":
         """Wraps the *same* parameters of ``linear`` (no copy), so names and optimizer state hold.
 
+        The training mode and hooks come along (:func:`mt_ops._swap.carry_module_state`).
+
         Args:
-            linear: The layer to take over.
+            linear: The layer to take over; one with state besides weight and bias (a
+                subclass's buffers, a parametrization) is refused with ValueError.
 
         Returns:
             A :class:`Linear` sharing ``linear``'s weight and bias.
         """
+        check_swappable(linear, "Linear.from_linear")
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = linear.in_features, linear.out_features
         new.weight = linear.weight
         new.bias = linear.bias
+        carry_module_state(new, linear)
         return new
 
 
@@ -206,15 +212,18 @@ def make_weight_grads_deferrable(model: nn.Module) -> int:
     swap first. Names, parameter objects and results are unchanged.
 
     Args:
-        model: Modified in place.
+        model: Modified in place; a selected layer with state besides weight and bias is
+            refused (ValueError) before anything is swapped.
 
     Returns:
         The number of modules swapped.
     """
-    count = 0
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
+    swaps = []  # (parent, attribute name, layer); all checked before the first swap
+    for fqn, module in model.named_modules():
+        for name, child in module.named_children():
             if isinstance(child, nn.Linear) and not isinstance(child, Linear):
-                setattr(module, name, Linear.from_linear(child))
-                count += 1
-    return count
+                check_swappable(child, "make_weight_grads_deferrable", f"{fqn}.{name}".lstrip("."))
+                swaps.append((module, name, child))
+    for module, name, child in swaps:
+        setattr(module, name, Linear.from_linear(child))
+    return len(swaps)

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from mt_ops._dtypes import autocast_dtype
+from mt_ops._swap import carry_module_state, check_swappable
 from mt_ops.deferred_wgrad import WeightGradQueue, weight_grad_or_defer
 from mt_ops.fp8_gemm import fp8_grouped_gemm, fp8_grouped_wgrad
 from mt_ops.fp8_quant import (
@@ -271,18 +272,23 @@ class FP8GroupedLinear(GroupedLinear):
     def from_grouped_linear(cls, module: GroupedLinear, **kwargs) -> "FP8GroupedLinear":
         """Takes over ``module``'s parameters (same objects, so names and state hold).
 
+        The training mode and hooks come along (:func:`mt_ops._swap.carry_module_state`).
+
         Args:
-            module: The BF16 ``GroupedLinear``.
+            module: The BF16 ``GroupedLinear``; one with state besides weight and bias is
+                refused with ValueError.
             **kwargs: ``weight_cache``, ``backend``, ``scale_format``.
 
         Returns:
             The FP8 module.
         """
+        check_swappable(module, "FP8GroupedLinear.from_grouped_linear")
         with torch.device("meta"):  # placeholders only: the module's parameters move in
             new = cls(module.num_experts, module.in_features, module.out_features, **kwargs)
         new.weight = module.weight
         new.bias = module.bias
         new.wgrad_queue = getattr(module, "wgrad_queue", None)
+        carry_module_state(new, module)
         return new
 
     def forward(self, x_RD: Tensor, tokens_per_expert_E: Tensor) -> Tensor:
@@ -344,18 +350,23 @@ class FP8Linear(nn.Module):
     def from_linear(cls, module: nn.Linear, **kwargs) -> "FP8Linear":
         """Takes over ``module``'s parameters (same objects, so names and state hold).
 
+        The training mode and hooks come along (:func:`mt_ops._swap.carry_module_state`).
+
         Args:
-            module: An ``nn.Linear`` (or subclass, e.g. :class:`mt_ops.deferred_wgrad.Linear`).
+            module: An ``nn.Linear`` (or subclass, e.g. :class:`mt_ops.deferred_wgrad.Linear`);
+                one with state besides weight and bias is refused with ValueError.
             **kwargs: ``weight_cache``, ``backend``, ``scale_format``.
 
         Returns:
             The FP8 module.
         """
+        check_swappable(module, "FP8Linear.from_linear")
         with torch.device("meta"):  # placeholders only: the module's parameters move in
             new = cls(module.in_features, module.out_features, bias=False, **kwargs)
         new.weight = module.weight
         new.bias = module.bias
         new.wgrad_queue = getattr(module, "wgrad_queue", None)
+        carry_module_state(new, module)
         return new
 
     def forward(self, x: Tensor) -> Tensor:
@@ -470,6 +481,7 @@ def _check_convertible(module: nn.Module, fqn: str) -> None:
             f"{fqn!r} has a DTensor weight (shape {tuple(module.weight.shape)}): the model "
             "is already sharded; call convert_to_fp8 before fully_shard / parallelize"
         )
+    check_swappable(module, "convert_to_fp8", fqn)
     if module.in_features % _FP8_ALIGN or module.out_features % _FP8_ALIGN:
         raise ValueError(
             f"{fqn!r} (in_features {module.in_features}, out_features {module.out_features}) "
