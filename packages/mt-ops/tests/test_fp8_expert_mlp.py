@@ -287,3 +287,12 @@ def test_grouped_swiglu_moe_fuses_only_bias_free_fp8_projections_and_checks_shap
     assert len(fused_calls) == 1  # BF16 modules: composed
     with pytest.raises(ValueError, match=r"x shape \(\(39, 128\)\).*T = 40, K = 2"):
         fp8_moe_swiglu_experts(x[:39], plan, weights[:39], *fp8)
+
+
+@pytest.mark.parametrize("fn", [fp8_swiglu_experts, fp8_swiglu_experts_reference])
+def test_fused_mlp_names_the_expert_with_a_negative_count(fn):
+    # Before: "the row tiles' groups hold 13 rows but the result has 10" for counts that
+    # do sum to the 10 rows.
+    projs = _projections(3, 128, 256)
+    with pytest.raises(ValueError, match=r"tokens_per_expert\[1\] is -3 .*\[12, -3, 1\]"):
+        fn(torch.randn(10, 128), torch.tensor([12, -3, 1]), *projs)

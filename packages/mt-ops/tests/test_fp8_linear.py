@@ -151,10 +151,19 @@ def test_fp8_linears_reject_counts_and_features_that_do_not_fit_as_grouped_linea
             experts(x, torch.tensor(counts))
     with pytest.raises(ValueError, match="must be .R, D. and .E, O, D."):
         experts(torch.randn(10, 48), torch.tensor([4, 3, 3, 0]))
-    with pytest.raises(ValueError, match="must sum to the rows"):  # CPU: checked for free
+    with pytest.raises(ValueError, match="sums to 12, not the 10 rows"):  # CPU: checked for free
         experts(x, torch.tensor([4, 4, 4, 0]))
     with pytest.raises(ValueError, match=r"x shape \(\(4, 64\)\) must end in in_features \(32\)"):
         FP8Linear.from_linear(nn.Linear(32, 16))(torch.randn(4, 64))
+
+
+def test_fp8_grouped_linear_names_the_expert_with_a_negative_count_or_a_wrong_sum():
+    module = FP8GroupedLinear.from_grouped_linear(_grouped(3, 128, 128))
+    x_RD = torch.randn(10, 128)
+    with pytest.raises(ValueError, match=r"tokens_per_expert\[1\] is -3 .*\[12, -3, 1\]"):
+        module(x_RD, torch.tensor([12, -3, 1]))  # sums to the 10 rows
+    with pytest.raises(ValueError, match=r"\(\[5, 1, 1\]\) sums to 7, not the 10 rows"):
+        module(x_RD, torch.tensor([5, 1, 1]))
 
 
 @pytest.mark.parametrize("count_dtype", [torch.int16, torch.uint8])

@@ -1,5 +1,7 @@
 """FP8 block quantization. Legend: M rows, K columns, N weight rows, E groups, T row tiles."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -45,6 +47,13 @@ def _mostly_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
         return a.shape == b.shape
     same = a.contiguous().view(torch.uint8) == b.contiguous().view(torch.uint8)
     return a.shape == b.shape and float(same.float().mean()) >= 0.75
+
+
+def test_row_tiles_of_cpu_counts_name_a_negative_count_and_a_wrong_sum():
+    with pytest.raises(ValueError, match=r"rows_per_group\[1\] is -3 .*\[12, -3, 1\]"):
+        row_tiles(torch.tensor([12, -3, 1]), 10)
+    with pytest.raises(ValueError, match=r"rows_per_group \(\[5, 1, 1\]\) sums to 7, not the 10"):
+        row_tiles(torch.tensor([5, 1, 1]), 10)
 
 
 def test_row_tiles_cover_every_row_once_and_restart_at_each_expert():
@@ -93,9 +102,9 @@ def test_dual_kernel_matches_reference_scales_exactly_in_interpreter(
     shape, segmented, scale_format
 ):
     x = _wide_range(*shape).bfloat16()
-    tiles = row_tiles(torch.tensor([0, 130, 3, shape[0] - 133]), shape[0])
-    if not segmented or shape[0] < 133:
-        tiles = None
+    tiles = None
+    if segmented and shape[0] >= 133:
+        tiles = row_tiles(torch.tensor([0, 130, 3, shape[0] - 133]), shape[0])
     rows, cols = _launch_1x128_kernel_for_test(x, tiles, scale_format)
     ref_rows, ref_cols = quantize_1x128_dual_reference(x, tiles=tiles, scale_format=scale_format)
     assert torch.equal(scale_to_float(rows.scale), scale_to_float(ref_rows.scale))
@@ -213,8 +222,11 @@ def test_dual_quantization_rejects_tiles_of_other_rows():
         quantize_1x128_dual(
             x, tiles=row_tiles(torch.tensor([5, 5]), 10), source_rows=torch.tensor([0, 1, 2])
         )
+    # Tiles of 8 rows claiming 10 (row_tiles refuses host counts that do not add up, but
+    # does not check device counts).
+    tiles = dataclasses.replace(row_tiles(torch.tensor([4, 4]), 8), num_rows=10)
     with pytest.raises(ValueError, match="groups hold 8 rows but the result has 10"):
-        quantize_1x128_dual(x, tiles=row_tiles(torch.tensor([4, 4]), 10))
+        quantize_1x128_dual(x, tiles=tiles)
 
 
 def test_quantize_rejects_unknown_scale_format():

@@ -197,7 +197,7 @@ class _FP8MoESwiGLUFn(torch.autograd.Function):
         return grad_x, grad_w, *grads, None, None
 
 
-def _check(x_RD, tokens_per_expert_E, gate_proj, up_proj, down_proj) -> None:
+def _check(x_RD, tokens_per_expert_E, gate_proj, up_proj, down_proj, num_rows=None) -> None:
     for name, m in (("gate_proj", gate_proj), ("up_proj", up_proj), ("down_proj", down_proj)):
         if not isinstance(m, FP8GroupedLinear) or m.bias is not None:
             raise ValueError(
@@ -223,7 +223,8 @@ def _check(x_RD, tokens_per_expert_E, gate_proj, up_proj, down_proj) -> None:
             f"x shape ({tuple(x_RD.shape)}) and tokens_per_expert shape "
             f"({tuple(tokens_per_expert_E.shape)}) must be [R, {dim}] and [{num_experts}]"
         )
-    _check_grouped_args(x_RD, gate_proj.weight, tokens_per_expert_E)  # integer counts
+    # Integer counts; on the host also >= 0 and summing to the routed rows.
+    _check_grouped_args(x_RD, gate_proj.weight, tokens_per_expert_E, num_rows=num_rows)
 
 
 def fp8_swiglu_experts(
@@ -284,7 +285,8 @@ def fp8_moe_swiglu_experts(
         ``out[t] = Σ_k w[t, k] · expert_k(x[t])``, [T, D] in the dtype of ``x_TD`` (the
         autocast dtype under autocast).
     """
-    _check(x_TD, plan.tokens_per_expert_E, gate_proj, up_proj, down_proj)
+    num_rows = plan.num_tokens * plan.topk
+    _check(x_TD, plan.tokens_per_expert_E, gate_proj, up_proj, down_proj, num_rows)
     if x_TD.shape[0] != plan.num_tokens or tuple(topk_weights_TK.shape) != (
         plan.num_tokens,
         plan.topk,

@@ -37,6 +37,7 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
+from mt_ops._counts import check_counts
 from mt_ops._triton import cdiv, launch, tl, triton, use_kernels
 
 __all__ = [
@@ -115,6 +116,8 @@ def row_tiles(rows_per_group_G: Tensor, num_rows: int) -> RowTiles:
     Returns:
         The :class:`RowTiles`.
     """
+    if rows_per_group_G.device.type == "cpu":  # free to check on the host; no sync on GPU
+        check_counts(rows_per_group_G.tolist(), num_rows, "rows_per_group", "rows (num_rows)")
     counts_G = rows_per_group_G.long()
     num_groups = counts_G.numel()
     device = counts_G.device

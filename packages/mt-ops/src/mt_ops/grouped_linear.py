@@ -22,6 +22,7 @@ gradients come back in the parameters' dtypes.
 import torch
 from torch import Tensor, nn
 
+from mt_ops._counts import check_counts
 from mt_ops._dtypes import autocast_dtype, check_same_dtype, compute_dtype, is_integer
 from mt_ops.deferred_wgrad import WeightGradQueue, weight_grad_or_defer
 
@@ -32,8 +33,14 @@ _GROUPED_MM_ALIGN = 8
 
 
 def _check_shapes(
-    x_RD: Tensor, w_EOD: Tensor, tokens_per_expert_E: Tensor, bias_EO: Tensor | None = None
+    x_RD: Tensor,
+    w_EOD: Tensor,
+    tokens_per_expert_E: Tensor,
+    bias_EO: Tensor | None = None,
+    num_rows: int | None = None,
 ) -> None:
+    """Shapes, count dtype and (host counts only) their values; ``num_rows`` is what the
+    counts sum to when x holds tokens rather than the routed rows (default R of x)."""
     if x_RD.dim() != 2 or w_EOD.dim() != 3 or x_RD.shape[1] != w_EOD.shape[2]:
         raise ValueError(
             f"x shape ({tuple(x_RD.shape)}) and w shape ({tuple(w_EOD.shape)}) must be "
@@ -54,6 +61,11 @@ def _check_shapes(
         raise ValueError(
             f"bias shape ({tuple(bias_EO.shape)}) must be [E, O] = {tuple(w_EOD.shape[:2])}"
         )
+    if tokens_per_expert_E.device.type == "cpu":
+        # Host counts cost no sync to check; device counts stay unchecked (the grouped GEMMs
+        # read them on the device, and a check would stall the stream every call).
+        rows = x_RD.shape[0] if num_rows is None else num_rows
+        check_counts(tokens_per_expert_E.tolist(), rows)
 
 
 def _check(
@@ -90,16 +102,7 @@ def _offsets(tokens_per_expert_E: Tensor) -> Tensor:
 
 def _host_counts(tokens_per_expert_E: Tensor, num_rows: int) -> list[int]:
     counts = tokens_per_expert_E.tolist()  # host sync: the loop needs the split sizes
-    if any(c < 0 for c in counts):
-        raise ValueError(
-            f"tokens_per_expert ({counts}) must hold no negative count; pass the rows "
-            "routed to each expert"
-        )
-    if sum(counts) != num_rows:
-        raise ValueError(
-            f"tokens_per_expert sums to {sum(counts)} but x has R={num_rows} rows; "
-            "counts must add up to the routed rows"
-        )
+    check_counts(counts, num_rows)
     return counts
 
 
