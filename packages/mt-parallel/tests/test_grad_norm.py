@@ -10,11 +10,12 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from mt_parallel import grad_norm
 from mt_parallel.grad_norm import clip_grad_norm
-from mt_parallel.testing import check_clip_grad_norm_over_sharded_grads, spawn
+from mt_parallel.testing import check_clip_grad_norm_over_ranks, spawn
 
 PATHS = {"per_tensor": 0, "multi_tensor": 1 << 40, "mixed": 1000}
 
@@ -168,4 +169,29 @@ def test_fp64_gradients_are_measured_and_clipped_in_fp64(path):
 
 
 def test_sharded_dtensor_and_per_rank_grads_give_the_world_norm_and_are_clipped():
-    spawn(check_clip_grad_norm_over_sharded_grads, 2)
+    # Also: a rank holding no gradient (an EP rank without a group's experts) joins the
+    # all-reduce with an fp64 zero on the group's device, and the ranks that do hold
+    # gradients get the one-process norm and clipping.
+    spawn(check_clip_grad_norm_over_ranks, 2)
+
+
+@pytest.mark.parametrize(
+    ("backend", "want"),
+    [
+        ("nccl", torch.device("cuda", 3)),
+        ("gloo", torch.device("cpu")),
+        ("cpu:gloo,cuda:nccl", torch.device("cpu")),
+    ],
+)
+def test_a_rank_without_gradients_reduces_on_the_device_its_group_communicates_from(
+    monkeypatch, backend, want
+):
+    # An NCCL all-reduce takes CUDA tensors only: a rank with no gradient used to put its
+    # zero on the CPU and fail the collective (or hang the ranks that joined it).
+    group = object()
+    monkeypatch.setattr(dist, "get_backend", lambda g: backend if g is group else "?")
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 3)
+    assert grad_norm._reduce_device([], group) == want
+    assert grad_norm._reduce_device([], None) == torch.device("cpu")  # one process
+    grads = [torch.zeros(2, dtype=torch.bfloat16)]
+    assert grad_norm._reduce_device(grads, group) == grads[0].device

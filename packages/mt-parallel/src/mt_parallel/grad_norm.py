@@ -49,6 +49,21 @@ def _norm_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float64 if device.type == "cpu" else torch.float32)
 
 
+def _reduce_device(grads: list[torch.Tensor], group: dist.ProcessGroup | None) -> torch.device:
+    """Where the squared norm is summed and all-reduced: the first gradient's device, or,
+    on a rank that holds no gradient (an EP rank without a group's experts), the device
+    the group's backend communicates from (an NCCL all-reduce takes CUDA tensors only)."""
+    if grads:
+        return grads[0].device
+    if group is None:
+        return torch.device("cpu")
+    # "gloo", "nccl", ... or "cpu:gloo,cuda:nccl" (not listed: has a CPU backend).
+    device_types = dist.Backend.backend_capability.get(dist.get_backend(group), ["cpu"])
+    if "cpu" in device_types:
+        return torch.device("cpu")
+    return torch.device(device_types[0], torch.accelerator.current_device_index())
+
+
 def _by_device_and_dtype(
     tensors: list[torch.Tensor],
 ) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
@@ -87,13 +102,14 @@ def clip_grad_norm(
     for (device, dtype), tensors in small.items():
         # Without `dtype` the norms of bf16 gradients come back rounded to bf16.
         norms += torch._foreach_norm(tensors, 2.0, dtype=_norm_dtype(device, dtype))
-    # Squared and summed in fp64 on the first gradient's device (where the all-reduce
-    # expects it): in fp32 the square of any norm past 1.8e19 was inf, so finite
-    # gradients read as non-finite and were left unclipped.
+    # Squared and summed in fp64 on the device the all-reduce expects: in fp32 the square
+    # of any norm past 1.8e19 was inf, so finite gradients read as non-finite and were
+    # left unclipped.
+    device = _reduce_device(grads, group)
     if norms:
-        sq = torch.stack([n.to(grads[0].device, torch.float64) for n in norms]).square().sum()
+        sq = torch.stack([n.to(device, torch.float64) for n in norms]).square().sum()
     else:
-        sq = torch.zeros((), dtype=torch.float64)
+        sq = torch.zeros((), dtype=torch.float64, device=device)
     if group is not None:
         dist.all_reduce(sq, group=group)
     total = float(sq.sqrt())

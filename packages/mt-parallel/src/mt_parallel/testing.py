@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from mt_models import build_model
+from mt_parallel import grad_norm
 from mt_parallel.context_parallel import zigzag_positions
 from mt_parallel.dims import ParallelDims
 from mt_parallel.expert_parallel import apply_expert_parallel
@@ -373,6 +374,58 @@ def check_clip_grad_norm_over_sharded_grads(max_norm: float = 1.0) -> None:
     scale = max_norm / (total + 1e-6)
     assert torch.equal(sharded.grad.to_local(), local.mul_(scale)), f"rank {rank}: shard"
     assert torch.equal(expert.grad, own[rank].clone().mul_(scale)), f"rank {rank}: expert"
+
+
+def check_clip_grad_norm_with_an_empty_rank(max_norm: float = 1.0) -> None:
+    """`clip_grad_norm` on a rank holding no gradient (an EP rank without a group's
+    experts: parameters without `.grad`, or none at all) joins the all-reduce with an fp64
+    zero on the reduce device, and the other ranks get the one-process norm and clipping
+    (a `spawn` target; rank 0 holds every gradient)."""
+    rank = dist.get_rank()
+    grads = [
+        torch.randn(13, 7, generator=torch.Generator().manual_seed(11)),
+        torch.randn(9, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16),
+    ]
+    ref_params = [nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(ref_params, grads, strict=True):
+        p.grad = g.clone()
+    ref = clip_grad_norm(ref_params, max_norm)  # one process: the reference
+    if rank == 0:
+        params = [nn.Parameter(torch.zeros_like(g)) for g in grads]
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.clone()
+    else:
+        params = [nn.Parameter(torch.zeros(3))]  # no .grad
+    reduced: list[torch.Tensor] = []
+    all_reduce = dist.all_reduce
+
+    def recording_all_reduce(tensor, *args, **kwargs):
+        reduced.append(tensor)
+        return all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = recording_all_reduce
+    try:
+        for parameters in (params, params if rank == 0 else []):
+            for p, g in zip(params, grads, strict=False):
+                if p.grad is not None:
+                    p.grad.copy_(g)
+            total = clip_grad_norm(parameters, max_norm, dist.group.WORLD)
+            assert total == ref, f"rank {rank}: {total=}, one process {ref=}"
+            if rank == 0:
+                for p, q in zip(params, ref_params, strict=True):
+                    assert torch.equal(p.grad, q.grad), f"rank 0: {p.grad=} {q.grad=}"
+    finally:
+        dist.all_reduce = all_reduce
+    want = grad_norm._reduce_device([], dist.group.WORLD) if rank else grads[0].device
+    for t in reduced:
+        assert (t.device, t.dtype) == (want, torch.float64), f"rank {rank}: {t.device=} {t.dtype=}"
+
+
+def check_clip_grad_norm_over_ranks(max_norm: float = 1.0) -> None:
+    """The spawn target of the `clip_grad_norm` checks, run in one process group: over
+    sharded grads, then with a rank that holds none."""
+    check_clip_grad_norm_over_sharded_grads(max_norm)
+    check_clip_grad_norm_with_an_empty_rank(max_norm)
 
 
 def check_dispatch_with_idle_rank(num_experts: int = 4, topk: int = 2, dim: int = 8) -> None:
