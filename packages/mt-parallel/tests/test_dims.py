@@ -32,6 +32,30 @@ def test_expert_parallel_size_must_divide_the_experts():
         dims.validate_model(num_experts=8, num_heads=4, seq_len=64)
 
 
+def test_an_ep_that_does_not_divide_the_experts_names_every_size_that_fits_the_world():
+    # Before: the first 8 divisors of 384, [1, 2, 3, 4, 6, 8, 12, 16]: 3, 6 and 12 do not
+    # fit 256 ranks, and 32, 64 and 128, which do, were left out.
+    dims = ParallelDims(world_size=256, ep=256)
+    fits = r"choose one of \[1, 2, 4, 8, 16, 32, 64, 128\]"
+    with pytest.raises(
+        ValueError, match=r"parallel.ep \(256\) must divide num_experts \(384\); " + fits
+    ):
+        dims.validate_model(num_experts=384, num_heads=4, seq_len=64)
+    # With cp = 2 on 8 ranks, 4 ranks are left for dp*ep: 3 divides 6 experts, not them.
+    dims = ParallelDims(world_size=8, cp=2, ep=4)
+    with pytest.raises(ValueError, match=r"choose one of \[1, 2\] \(.*world_size / \(pp\*cp\) = 4"):
+        dims.validate_model(num_experts=6, num_heads=4, seq_len=64)
+
+
+def test_sizes_whose_product_does_not_divide_the_world_name_the_sizes_that_do():
+    with pytest.raises(ValueError, match=r"pp\*cp=1: parallel.ep one of \[1, 2, 3, 6\]"):
+        ParallelDims(world_size=6, ep=4)
+    with pytest.raises(
+        ValueError, match=r"pp\*cp\*ep \(1\*3\*1=3\) does not divide it.* one of \[1, 2, 4, 8\]"
+    ):
+        ParallelDims(world_size=8, dp=1, cp=3)
+
+
 def test_context_parallel_size_must_fit_the_sequence():
     dims = ParallelDims(world_size=2, cp=2)
     fix = r"use seq_len 64 or 68, or parallel.cp one of \[1, 3, 11, 33\]"

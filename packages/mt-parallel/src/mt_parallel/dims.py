@@ -10,14 +10,38 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-def check_ep_divides_experts(ep: int, num_experts: int) -> None:
-    """Raises ValueError, naming the sizes that fit, unless `ep` divides `num_experts`."""
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_ep_divides_experts(ep: int, num_experts: int, ranks: int | None = None) -> None:
+    """Raises ValueError, naming the sizes that fit, unless `ep` divides `num_experts`.
+
+    Args:
+        ep: expert-parallel size.
+        num_experts: routed experts per MoE layer.
+        ranks: the ranks dp and ep share (world_size / (pp*cp)), when known: the sizes
+            named are then those that divide both.
+    """
     if num_experts % ep:
-        divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
+        choices = _divisors(num_experts)  # all of them: 384 experts have 16
+        where = ""
+        if ranks is not None:
+            choices = [d for d in choices if ranks % d == 0]
+            where = (
+                f" (the divisors of {num_experts} that also divide world_size / (pp*cp) = {ranks})"
+            )
         raise ValueError(
             f"parallel.ep ({ep}) must divide num_experts ({num_experts}); "
-            f"choose one of {divisors[:8]}"
+            f"choose one of {choices}{where}"
         )
+
+
+def _ep_sizes_that_fit(world_size: int, pp: int, cp: int) -> str:
+    """The fix of a layout whose pp*cp*ep does not divide the world size."""
+    if world_size % (pp * cp):
+        return f"pp*cp ({pp}*{cp}={pp * cp}) must itself divide it: one of {_divisors(world_size)}"
+    return f"with pp*cp={pp * cp}: parallel.ep one of {_divisors(world_size // (pp * cp))}"
 
 
 def check_cp_divides_seq_len(cp: int, seq_len: int) -> None:
@@ -69,7 +93,8 @@ class ParallelDims:
                 raise ValueError(
                     f"world size ({self.world_size}) is not divisible by pp*cp*ep "
                     f"({self.pp}*{self.cp}*{self.ep}={inner}); choose sizes whose product "
-                    f"divides {self.world_size}"
+                    f"divides {self.world_size} (one of {_divisors(self.world_size)}); "
+                    + _ep_sizes_that_fit(self.world_size, self.pp, self.cp)
                 )
             object.__setattr__(self, "dp", self.world_size // inner)
         if self.dp < 1:
@@ -78,7 +103,9 @@ class ParallelDims:
             if self.world_size % inner:  # no dp fits: deriving it would fail as well
                 fix = (
                     f"pp*cp*ep ({self.pp}*{self.cp}*{self.ep}={inner}) does not divide it; "
-                    f"choose pp, cp and ep whose product divides {self.world_size}"
+                    f"choose pp, cp and ep whose product divides {self.world_size} "
+                    f"(one of {_divisors(self.world_size)}); "
+                    + _ep_sizes_that_fit(self.world_size, self.pp, self.cp)
                 )
             else:
                 dp = self.world_size // inner
@@ -102,7 +129,7 @@ class ParallelDims:
             num_heads: attention heads (query heads).
             seq_len: training sequence length.
         """
-        check_ep_divides_experts(self.ep, num_experts)
+        check_ep_divides_experts(self.ep, num_experts, self.world_size // (self.pp * self.cp))
         if self.cp > 1:
             check_cp_divides_seq_len(self.cp, seq_len)
         del num_heads  # context parallelism all-gathers keys and values: any head count
