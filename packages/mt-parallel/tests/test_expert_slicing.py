@@ -22,3 +22,20 @@ def test_flops_and_parameter_counts_of_one_ep_rank_equal_the_whole_models(family
     assert (got.total_params, got.active_params) == (expected.total_params, expected.active_params)
     assert got.forward_matmul_flops == pytest.approx(expected.forward_matmul_flops, rel=1e-12)
     assert got.forward_attention_flops == expected.forward_attention_flops
+
+
+def test_sliced_experts_keep_frozen_parameters_frozen():
+    # The slice was a new nn.Parameter, trainable whatever the original was: experts frozen
+    # before parallelize (fine-tuning the rest) came back into the optimizer.
+    model = build_model(qwen3_moe.debug())
+    experts = next(
+        layer.mlp.experts for layer in model.model.layers if isinstance(layer.mlp, MoEBlock)
+    )
+    frozen = dict(experts.named_parameters())
+    first = next(iter(frozen))
+    frozen[first].requires_grad_(False)
+    local = experts.num_experts // 2
+    _slice_experts(experts, local, local)
+    for name, param in experts.named_parameters():
+        assert param.requires_grad == (name != first), name
+        assert param.shape[0] == local and param.dtype == frozen[name].dtype, name

@@ -331,7 +331,9 @@ def _slice_experts(experts: GroupedExperts, first: int, count: int) -> None:
     for module in experts.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             assert param.shape[0] == total, f"{name}: {tuple(param.shape)=}, {total=}"
-            sliced = nn.Parameter(param.detach()[first : first + count].clone())
+            sliced = nn.Parameter(
+                param.detach()[first : first + count].clone(), requires_grad=param.requires_grad
+            )
             setattr(module, name, sliced)
         if hasattr(module, "num_experts"):
             module.num_experts = count
