@@ -212,6 +212,19 @@ def test_row_kernel_is_stable_for_large_logits_and_flags_labels_out_of_range(mon
     assert torch.isnan(got[2]) and torch.isfinite(got[[0, 3, 4, 5]]).all()
 
 
+@pytest.mark.parametrize("fn", [linear_cross_entropy, linear_cross_entropy_reference])
+@pytest.mark.parametrize("bad", [16, -5])
+def test_a_label_outside_the_vocabulary_is_named_with_its_position(fn, bad):
+    # Before: "index 16 is out of bounds for dimension 1 with size 16" (a RuntimeError of
+    # the gather) and "Target 16 is out of bounds" (the reference), naming neither labels
+    # nor ignore_index.
+    labels = torch.tensor([0, 1, bad, IGNORE])
+    with pytest.raises(
+        ValueError, match=rf"labels\[2\] is {bad}, outside \[0, V=16\) and not ignore_index"
+    ):
+        fn(torch.randn(4, 8), torch.randn(16, 8), labels, ignore_index=IGNORE)
+
+
 @pytest.mark.parametrize("vocab", [20, 32, 64])
 def test_row_kernel_matches_the_eager_rows_below_at_and_at_twice_the_block(vocab, monkeypatch):
     # The GPU block is 4096 logits, so a small model's whole vocabulary is one ragged block.

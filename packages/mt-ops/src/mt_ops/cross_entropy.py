@@ -164,7 +164,7 @@ def _accumulate_weight_grad(grad_weight_VD: Tensor, grad_logits_CV: Tensor, h_CD
         grad_weight_VD += (grad_logits_CV.T @ h_CD).float()
 
 
-def _check(hidden_TD: Tensor, weight_VD: Tensor, labels_T: Tensor) -> None:
+def _check(hidden_TD: Tensor, weight_VD: Tensor, labels_T: Tensor, ignore_index: int) -> None:
     if hidden_TD.dim() != 2 or weight_VD.dim() != 2 or hidden_TD.shape[1] != weight_VD.shape[1]:
         raise ValueError(
             f"hidden shape ({tuple(hidden_TD.shape)}) and weight shape "
@@ -186,6 +186,18 @@ def _check(hidden_TD: Tensor, weight_VD: Tensor, labels_T: Tensor) -> None:
             "ids (a float would be truncated, a bool mask is no label)"
         )
     check_same_dtype(("weight", weight_VD), ("hidden", hidden_TD))
+    if labels_T.device.type == "cpu":
+        # Free on the host. On GPU no check (it would sync): the row kernel makes such a
+        # row's loss NaN instead of reading another row's logits.
+        vocab = weight_VD.shape[0]
+        bad_T = (labels_T != ignore_index) & ((labels_T < 0) | (labels_T >= vocab))
+        if bool(bad_T.any()):
+            t = int(bad_T.nonzero()[0, 0])
+            raise ValueError(
+                f"labels[{t}] is {int(labels_T[t])}, outside [0, V={vocab}) and not "
+                f"ignore_index ({ignore_index}); pass token ids of this vocabulary (weight "
+                f"has {vocab} rows), or mark unlabelled positions with ignore_index"
+            )
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -269,7 +281,7 @@ def linear_cross_entropy(
         ``(loss_sum, num_valid)``: fp32 scalar sum of cross-entropy over valid labels, and
         int64 scalar count of valid labels.
     """
-    _check(hidden_TD, weight_VD, labels_T)
+    _check(hidden_TD, weight_VD, labels_T, ignore_index)
     if labels_T.dtype not in (torch.int32, torch.int64):  # gather's only index types
         labels_T = labels_T.long()
     chunk_tokens = max(1, _CHUNK_LOGITS_ELEMENTS // max(1, weight_VD.shape[0]))
@@ -302,7 +314,7 @@ def linear_cross_entropy_reference(
         ``(loss_sum, num_valid)``: fp32 scalar sum of cross-entropy over valid labels, and
         int64 scalar count of valid labels.
     """
-    _check(hidden_TD, weight_VD, labels_T)
+    _check(hidden_TD, weight_VD, labels_T, ignore_index)
     logits_TV = (hidden_TD @ weight_VD.T).float()  # [T, V]
     loss_sum = F.cross_entropy(  # F.cross_entropy takes int64 labels only; the op any int
         logits_TV, labels_T.long(), ignore_index=ignore_index, reduction="sum"
