@@ -1,4 +1,5 @@
 import importlib
+import math
 
 import pytest
 import torch
@@ -46,6 +47,14 @@ def test_rms_norm_output_has_unit_rms_with_unit_weight():
 def test_rms_norm_rejects_weight_of_wrong_size():
     with pytest.raises(ValueError, match="weight shape"):
         rms_norm(torch.randn(2, 8), torch.ones(7))
+
+
+@pytest.mark.parametrize("eps", [-1.0, math.nan])
+@pytest.mark.parametrize("fn", [rms_norm, rms_norm_reference])
+def test_a_negative_or_nan_eps_is_refused_by_name(fn, eps):
+    # Before: NaN rows wherever the mean square was below -eps (all of them for NaN eps).
+    with pytest.raises(ValueError, match=rf"eps \({eps}\) must be >= 0"):
+        fn(torch.randn(2, 8), torch.ones(8), eps=eps)
 
 
 def test_rms_norm_and_reference_refuse_integer_and_bool_x_naming_the_dtype():

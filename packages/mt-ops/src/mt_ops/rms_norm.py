@@ -254,7 +254,9 @@ class _RMSNormFn(torch.autograd.Function):
         return None if dx_RD is None else dx_RD.view(ctx.x_shape), dw, None
 
 
-def _check(x: Tensor, weight: Tensor) -> None:
+def _check(x: Tensor, weight: Tensor, eps: float) -> None:
+    if not eps >= 0:  # a negative eps made rows of small mean square NaN; NaN every row
+        raise ValueError(f"eps ({eps}) must be >= 0; the usual values are 1e-6 and 1e-5")
     if not x.dtype.is_floating_point:  # an integer x would come back truncated to integers
         raise ValueError(
             f"x dtype ({x.dtype}) must be a floating-point type; convert it first, e.g. "
@@ -284,7 +286,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
     Returns:
         Tensor of the shape and dtype of ``x``.
     """
-    _check(x, weight)
+    _check(x, weight, eps)
     fused = x.dtype in _KERNEL_DTYPES and weight.dtype in _KERNEL_DTYPES and x.shape[-1] > 0
     if fused and use_kernels(x, weight):
         return _RMSNormFn.apply(x, weight, float(eps))
@@ -302,7 +304,7 @@ def rms_norm_reference(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
     Returns:
         Tensor of the shape and dtype of ``x``.
     """
-    _check(x, weight)
+    _check(x, weight, eps)
     x32 = x.float()
     variance = x32.pow(2).mean(-1, keepdim=True)
     normed = x32 * torch.rsqrt(variance + eps)
@@ -313,7 +315,7 @@ def _kernel_function_for_test():
     """``rms_norm`` through the kernels on any device (the interpreter on CPU)."""
 
     def rms_norm_kernel(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
-        _check(x, weight)
+        _check(x, weight, eps)
         return _RMSNormFn.apply(x, weight, float(eps))
 
     return rms_norm_kernel
