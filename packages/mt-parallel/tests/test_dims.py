@@ -59,13 +59,24 @@ def test_sizes_whose_product_does_not_divide_the_world_name_the_sizes_that_do():
 def test_context_parallel_size_must_fit_the_sequence():
     dims = ParallelDims(world_size=2, cp=2)
     fix = r"use seq_len 64 or 68, or parallel.cp one of \[1, 3, 11, 33\]"
-    with pytest.raises(ValueError, match=r"seq_len \(66\) .* 2\*parallel.cp \(4\) .*" + fix):
+    on_2_ranks = r"use seq_len 64 or 68, or parallel.cp one of \[1\]"  # 3, 11, 33 do not fit
+    with pytest.raises(ValueError, match=r"seq_len \(66\) .* 2\*parallel.cp \(4\) .*" + on_2_ranks):
         dims.validate_model(num_experts=8, num_heads=4, seq_len=66)
     with pytest.raises(ValueError, match=r"seq_len \(66\) .*" + fix):
         zigzag_ranges(66, 2, 0)
     dims.validate_model(num_experts=8, num_heads=4, seq_len=64)
     ParallelDims(world_size=1).validate_model(num_experts=8, num_heads=4, seq_len=1023)
     ParallelDims(world_size=8, cp=8).validate_model(num_experts=8, num_heads=4, seq_len=64)
+
+
+def test_a_cp_that_does_not_fit_the_sequence_names_only_cp_sizes_that_fit_the_world():
+    # Before: "parallel.cp one of [1, 3, 11, 33]" on 8 ranks, where 3, 11 and 33 cannot be
+    # laid out; on 12 ranks with ep 2 (6 ranks for dp*cp) 1 and 3 fit.
+    with pytest.raises(ValueError, match=r"use seq_len 64 or 68, or parallel.cp one of \[1\] \("):
+        ParallelDims(world_size=8, cp=2).validate_model(num_experts=8, num_heads=4, seq_len=66)
+    dims = ParallelDims(world_size=12, cp=2, ep=2)
+    with pytest.raises(ValueError, match=r"parallel.cp one of \[1, 3\] \(.* = 6\)"):
+        dims.validate_model(num_experts=8, num_heads=4, seq_len=66)
 
 
 @pytest.mark.parametrize("seq_len", [0, -4, 2])

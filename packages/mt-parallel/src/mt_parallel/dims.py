@@ -44,10 +44,17 @@ def _ep_sizes_that_fit(world_size: int, pp: int, cp: int) -> str:
     return f"with pp*cp={pp * cp}: parallel.ep one of {_divisors(world_size // (pp * cp))}"
 
 
-def check_cp_divides_seq_len(cp: int, seq_len: int) -> None:
+def check_cp_divides_seq_len(cp: int, seq_len: int, ranks: int | None = None) -> None:
     """Raises ValueError, naming sequence lengths and cp sizes that fit, unless 2·cp
     divides `seq_len` (zigzag sharding cuts the sequence into 2·cp equal chunks) and
-    `seq_len` >= 2·cp (every chunk holds at least one token; 0 is divisible by anything)."""
+    `seq_len` >= 2·cp (every chunk holds at least one token; 0 is divisible by anything).
+
+    Args:
+        cp: context-parallel size.
+        seq_len: training sequence length.
+        ranks: the ranks dp and cp share (world_size / (pp*ep)), when known: the cp sizes
+            named are then only those that also divide it.
+    """
     if seq_len < 2 * cp:
         raise ValueError(
             f"seq_len ({seq_len}) must be >= 2*parallel.cp ({2 * cp}): zigzag context "
@@ -58,9 +65,14 @@ def check_cp_divides_seq_len(cp: int, seq_len: int) -> None:
         lower = seq_len - seq_len % (2 * cp)
         lengths = f"{lower} or {lower + 2 * cp}" if lower else f"{2 * cp}"
         sizes = [1] + [c for c in range(2, seq_len // 2 + 1) if seq_len % (2 * c) == 0]
+        where = ""
+        if ranks is not None:
+            sizes = [c for c in sizes if ranks % c == 0]
+            where = f" (those that also divide world_size / (pp*ep) = {ranks})"
         raise ValueError(
             f"seq_len ({seq_len}) must be divisible by 2*parallel.cp ({2 * cp}) for zigzag "
-            f"context sharding; use seq_len {lengths}, or parallel.cp one of {sizes[:8]}"
+            f"context sharding; use seq_len {lengths}, or parallel.cp one of "
+            f"{sizes[:8]}{where}"
         )
 
 
@@ -131,5 +143,5 @@ class ParallelDims:
         """
         check_ep_divides_experts(self.ep, num_experts, self.world_size // (self.pp * self.cp))
         if self.cp > 1:
-            check_cp_divides_seq_len(self.cp, seq_len)
+            check_cp_divides_seq_len(self.cp, seq_len, self.world_size // (self.pp * self.ep))
         del num_heads  # context parallelism all-gathers keys and values: any head count
