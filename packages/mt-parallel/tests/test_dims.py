@@ -98,6 +98,16 @@ def test_a_micro_batch_that_does_not_fit_the_batch_ranks_gets_sizes_that_do():
         check_batch_split(10, 5, ParallelDims(world_size=4))
 
 
+def test_a_micro_batch_that_does_not_divide_the_global_batch_gets_sizes_that_do():
+    from mt_parallel.parallelize import check_batch_split
+
+    # Before: only "must divide training.global_batch_size (12)", no size that works.
+    with pytest.raises(ValueError, match=r"must divide .*\(12\); use one of \[2, 4, 6, 12\]"):
+        check_batch_split(12, 5, ParallelDims(world_size=2))
+    with pytest.raises(ValueError, match=r"must divide .*\(10\); no micro-batch size fits"):
+        check_batch_split(10, 4, ParallelDims(world_size=4))
+
+
 @pytest.mark.parametrize(("global_batch", "micro_batch"), [(8, 0), (0, 4), (-4, 4)])
 def test_batch_sizes_below_one_are_rejected_naming_them(global_batch, micro_batch):
     from mt_parallel.parallelize import check_batch_split

@@ -107,6 +107,13 @@ def parallelize(
     return mesh
 
 
+def _micro_batch_sizes_that_fit(global_batch: int, ranks: int) -> str:
+    fits = [m for m in range(ranks, global_batch + 1, ranks) if global_batch % m == 0]
+    if fits:
+        return f"use one of {fits[:6]}"
+    return f"no micro-batch size fits: make training.global_batch_size a multiple of {ranks}"
+
+
 def check_batch_split(global_batch: int, micro_batch: int, dims: ParallelDims) -> None:
     """Raises ValueError unless the batch splits into micro-batches and batch ranks."""
     if global_batch < 1 or micro_batch < 1:
@@ -114,19 +121,15 @@ def check_batch_split(global_batch: int, micro_batch: int, dims: ParallelDims) -
             f"training.global_batch_size ({global_batch}) and training.micro_batch_size "
             f"({micro_batch}) must be >= 1"
         )
+    ranks = dims.batch_ranks
     if global_batch % micro_batch:
         raise ValueError(
             f"training.micro_batch_size ({micro_batch}) must divide "
-            f"training.global_batch_size ({global_batch})"
+            f"training.global_batch_size ({global_batch}); "
+            + _micro_batch_sizes_that_fit(global_batch, ranks)
         )
-    if micro_batch % dims.batch_ranks:
-        ranks = dims.batch_ranks
-        fits = [m for m in range(ranks, global_batch + 1, ranks) if global_batch % m == 0]
-        hint = (
-            f"use one of {fits[:6]}"
-            if fits
-            else f"no micro-batch size fits: make training.global_batch_size a multiple of {ranks}"
-        )
+    if micro_batch % ranks:
+        hint = _micro_batch_sizes_that_fit(global_batch, ranks)
         raise ValueError(
             f"training.micro_batch_size ({micro_batch}) counts sequences over all dp*ep "
             f"({dims.dp}*{dims.ep}={ranks}) batch ranks and must be a multiple of it "
