@@ -87,7 +87,8 @@ def _check(topk_ids_TK: Tensor, num_experts: int, num_ranks: int | None) -> None
     if num_ranks is not None and num_experts % num_ranks:
         raise ValueError(
             f"num_ranks ({num_ranks}) must divide num_experts ({num_experts}); each EP rank "
-            "owns an equal slice of experts"
+            "owns an equal slice of experts: use one of "
+            f"{[d for d in range(1, num_experts + 1) if num_experts % d == 0]}"
         )
 
 
