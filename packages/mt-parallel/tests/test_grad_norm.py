@@ -193,5 +193,7 @@ def test_a_rank_without_gradients_reduces_on_the_device_its_group_communicates_f
     monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 3)
     assert grad_norm._reduce_device([], group) == want
     assert grad_norm._reduce_device([], None) == torch.device("cpu")  # one process
+    # CPU gradients (FSDP2's CPU offload) with an NCCL group: the sum goes to the GPU too.
     grads = [torch.zeros(2, dtype=torch.bfloat16)]
-    assert grad_norm._reduce_device(grads, group) == grads[0].device
+    assert grad_norm._reduce_device(grads, group) == want
+    assert grad_norm._reduce_device(grads, None) == grads[0].device

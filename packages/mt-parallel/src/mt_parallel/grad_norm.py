@@ -50,15 +50,16 @@ def _norm_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
 
 
 def _reduce_device(grads: list[torch.Tensor], group: dist.ProcessGroup | None) -> torch.device:
-    """Where the squared norm is summed and all-reduced: the first gradient's device, or,
-    on a rank that holds no gradient (an EP rank without a group's experts), the device
-    the group's backend communicates from (an NCCL all-reduce takes CUDA tensors only)."""
-    if grads:
-        return grads[0].device
+    """Where the squared norm is summed and all-reduced: the first gradient's device when
+    the group's backend takes it, else the device that backend communicates from (an NCCL
+    all-reduce takes CUDA tensors only: a rank that holds no gradient, an EP rank without a
+    group's experts, or CPU-offloaded gradients, would fail it with a CPU sum)."""
     if group is None:
-        return torch.device("cpu")
+        return grads[0].device if grads else torch.device("cpu")
     # "gloo", "nccl", ... or "cpu:gloo,cuda:nccl" (not listed: has a CPU backend).
     device_types = dist.Backend.backend_capability.get(dist.get_backend(group), ["cpu"])
+    if grads and grads[0].device.type in device_types:
+        return grads[0].device
     if "cpu" in device_types:
         return torch.device("cpu")
     return torch.device(device_types[0], torch.accelerator.current_device_index())
