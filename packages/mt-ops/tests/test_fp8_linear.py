@@ -403,3 +403,21 @@ def test_fp8_linears_quantize_no_transposes_that_no_gradient_needs(monkeypatch):
     experts.bias.requires_grad_(False)
     _, grad_x_frozen = _run(experts, x, counts, grad_out)
     assert len(dual_calls) == 4 and torch.equal(grad_x_frozen, grad_x)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda **kw: FP8Linear(128, 64, **kw),
+        lambda **kw: FP8GroupedLinear(2, 128, 64, **kw),
+        lambda **kw: convert_to_fp8(nn.Sequential(nn.Linear(128, 64)), **kw),
+    ],
+)
+def test_fp8_modules_refuse_an_unknown_backend_or_scale_format_when_built(build):
+    # Before: accepted, and the first forward (after a whole model was converted) raised.
+    with pytest.raises(ValueError, match=r"scale_format \('ue8m0'\) must be 'fp32'"):
+        build(scale_format="ue8m0")
+    with pytest.raises(ValueError, match=r"backend \('cublas'\) must be one of .*'emulation'"):
+        build(backend="cublas")
+    with pytest.raises(ValueError, match=r"scale_format \('ue8m0'\) must be 'fp32'"):
+        FP8WeightCache(scale_format="ue8m0")

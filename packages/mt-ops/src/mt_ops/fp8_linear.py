@@ -36,11 +36,12 @@ from torch.distributed.tensor import DTensor
 from mt_ops._dtypes import autocast_dtype
 from mt_ops._swap import carry_module_state, check_swappable
 from mt_ops.deferred_wgrad import WeightGradQueue, weight_grad_or_defer
-from mt_ops.fp8_gemm import fp8_grouped_gemm, fp8_grouped_wgrad
+from mt_ops.fp8_gemm import BACKENDS, fp8_grouped_gemm, fp8_grouped_wgrad
 from mt_ops.fp8_quant import (
     Fp8Quantized,
     RowTiles,
     ScaleFormat,
+    _check_scale_format,
     quantize_1x128,
     quantize_1x128_dual,
     quantize_128x128,
@@ -83,6 +84,7 @@ class FP8WeightCache:
     """
 
     def __init__(self, scale_format: ScaleFormat = "fp32") -> None:
+        _check_scale_format(scale_format)
         self.scale_format: ScaleFormat = scale_format
         self.num_quantizations = 0
         # id(weight) -> (weight, its version counter, dtype and device when quantized, result)
@@ -229,6 +231,16 @@ def _autocast_input(x: Tensor) -> Tensor:
     return x if dtype is None else x.to(dtype)
 
 
+def _check_settings(backend: str | None, scale_format: str) -> None:
+    """At construction, not at the first forward of a model converted whole."""
+    _check_scale_format(scale_format)
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(
+            f"backend ({backend!r}) must be one of {BACKENDS}, or None for the automatic "
+            "choice (mt_ops.fp8_backend)"
+        )
+
+
 def _check_aligned(in_features: int, out_features: int) -> None:
     if in_features % _FP8_ALIGN or out_features % _FP8_ALIGN:
         raise ValueError(
@@ -265,6 +277,7 @@ class FP8GroupedLinear(GroupedLinear):
         scale_format: ScaleFormat = "fp32",
     ):
         _check_aligned(in_features, out_features)
+        _check_settings(backend, scale_format)
         super().__init__(num_experts, in_features, out_features, bias)
         self.weight_cache, self.backend, self.scale_format = weight_cache, backend, scale_format
 
@@ -340,6 +353,7 @@ class FP8Linear(nn.Module):
     ):
         super().__init__()
         _check_aligned(in_features, out_features)
+        _check_settings(backend, scale_format)
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
@@ -432,6 +446,7 @@ def convert_to_fp8(
     Returns:
         ``model`` (for chaining).
     """
+    _check_settings(backend, scale_format)
     keep = module_filter_fn or default_fp8_filter
     kwargs = {"weight_cache": weight_cache, "backend": backend, "scale_format": scale_format}
     # Every selected layer is checked before the first swap: a refusal leaves the model as
