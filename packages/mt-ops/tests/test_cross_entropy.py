@@ -225,6 +225,14 @@ def test_a_label_outside_the_vocabulary_is_named_with_its_position(fn, bad):
         fn(torch.randn(4, 8), torch.randn(16, 8), labels, ignore_index=IGNORE)
 
 
+@pytest.mark.parametrize("fn", [linear_cross_entropy, linear_cross_entropy_reference])
+@pytest.mark.parametrize("z", [-1e-4, float("nan")])
+def test_a_negative_or_nan_z_loss_weight_is_refused_by_name(fn, z):
+    # Before: a negative weight rewarded large logits (no error), NaN made the loss NaN.
+    with pytest.raises(ValueError, match=rf"z_loss_weight \({z}\) must be >= 0"):
+        fn(torch.randn(4, 8), torch.randn(16, 8), torch.tensor([0, 1, 2, 3]), z_loss_weight=z)
+
+
 @pytest.mark.parametrize("vocab", [20, 32, 64])
 def test_row_kernel_matches_the_eager_rows_below_at_and_at_twice_the_block(vocab, monkeypatch):
     # The GPU block is 4096 logits, so a small model's whole vocabulary is one ragged block.

@@ -164,7 +164,13 @@ def _accumulate_weight_grad(grad_weight_VD: Tensor, grad_logits_CV: Tensor, h_CD
         grad_weight_VD += (grad_logits_CV.T @ h_CD).float()
 
 
-def _check(hidden_TD: Tensor, weight_VD: Tensor, labels_T: Tensor, ignore_index: int) -> None:
+def _check(
+    hidden_TD: Tensor, weight_VD: Tensor, labels_T: Tensor, ignore_index: int, z_loss_weight: float
+) -> None:
+    if not z_loss_weight >= 0:  # negative: rewarded large logits; NaN: a NaN loss
+        raise ValueError(
+            f"z_loss_weight ({z_loss_weight}) must be >= 0 (0 turns the z-loss off; PaLM uses 1e-4)"
+        )
     if hidden_TD.dim() != 2 or weight_VD.dim() != 2 or hidden_TD.shape[1] != weight_VD.shape[1]:
         raise ValueError(
             f"hidden shape ({tuple(hidden_TD.shape)}) and weight shape "
@@ -281,7 +287,7 @@ def linear_cross_entropy(
         ``(loss_sum, num_valid)``: fp32 scalar sum of cross-entropy over valid labels, and
         int64 scalar count of valid labels.
     """
-    _check(hidden_TD, weight_VD, labels_T, ignore_index)
+    _check(hidden_TD, weight_VD, labels_T, ignore_index, z_loss_weight)
     if labels_T.dtype not in (torch.int32, torch.int64):  # gather's only index types
         labels_T = labels_T.long()
     chunk_tokens = max(1, _CHUNK_LOGITS_ELEMENTS // max(1, weight_VD.shape[0]))
@@ -314,7 +320,7 @@ def linear_cross_entropy_reference(
         ``(loss_sum, num_valid)``: fp32 scalar sum of cross-entropy over valid labels, and
         int64 scalar count of valid labels.
     """
-    _check(hidden_TD, weight_VD, labels_T, ignore_index)
+    _check(hidden_TD, weight_VD, labels_T, ignore_index, z_loss_weight)
     logits_TV = (hidden_TD @ weight_VD.T).float()  # [T, V]
     loss_sum = F.cross_entropy(  # F.cross_entropy takes int64 labels only; the op any int
         logits_TV, labels_T.long(), ignore_index=ignore_index, reduction="sum"
