@@ -413,6 +413,16 @@ def test_a_window_that_is_not_an_int_is_refused_naming_it():
     torch.testing.assert_close(attention(q, k, v, window=3), attention_reference(q, k, v, window=3))
 
 
+@pytest.mark.parametrize("fn", [attention, attention_reference])
+@pytest.mark.parametrize("scale", [float("nan"), float("inf")])
+def test_a_scale_that_is_not_finite_is_refused_naming_it(fn, scale):
+    # Before: NaN or inf outputs from the reference, while SDPA on CPU returned the
+    # default-scale result for NaN: op and reference disagreed without an error.
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match=rf"scale \({scale}\) must be a finite number"):
+        fn(q, q, q, causal=True, scale=scale)
+
+
 def test_unknown_mask_route_is_refused(monkeypatch):
     from mt_ops.attention import FLEX
 

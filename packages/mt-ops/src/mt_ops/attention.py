@@ -66,7 +66,11 @@ FLEX = {"enabled": True, "masks": "auto"}
 _MASK_ROUTES = ("auto", "all", "none")
 
 
-def _check(q: Tensor, k: Tensor, v: Tensor, window: int | None, sinks: Tensor | None) -> None:
+def _check(
+    q: Tensor, k: Tensor, v: Tensor, window: int | None, sinks: Tensor | None, scale: float | None
+) -> None:
+    if scale is not None and not math.isfinite(scale):
+        raise ValueError(f"scale ({scale}) must be a finite number, or None for 1/sqrt(head_dim)")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
             f"q, k, v shapes ({tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}) must be "
@@ -437,7 +441,7 @@ def attention(
         ``out`` [B, Hq, Sq, Dv] in the dtype of q, or ``(out, lse)`` with lse [B, Hq, Sq]
         in fp32 (fp64 for fp64 q on CPU) when ``return_lse``.
     """
-    _check(q_BHSD, k_BHSD, v_BHSD, window, sinks)
+    _check(q_BHSD, k_BHSD, v_BHSD, window, sinks, scale)
     _check_rules(
         q_BHSD, k_BHSD, q_positions=q_positions, kv_positions=kv_positions,
         q_document_ids=q_document_ids, kv_document_ids=kv_document_ids,
@@ -528,7 +532,7 @@ def attention_reference(
         ``out`` [B, Hq, Sq, Dv] in the dtype of q, or ``(out, lse)`` with lse [B, Hq, Sq]
         in fp32 (fp64 for fp64 q) when ``return_lse``.
     """
-    _check(q_BHSD, k_BHSD, v_BHSD, window, sinks)
+    _check(q_BHSD, k_BHSD, v_BHSD, window, sinks, scale)
     _check_rules(
         q_BHSD, k_BHSD, q_positions=q_positions, kv_positions=kv_positions,
         q_document_ids=q_document_ids, kv_document_ids=kv_document_ids,
