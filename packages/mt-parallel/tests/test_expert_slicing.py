@@ -39,3 +39,22 @@ def test_sliced_experts_keep_frozen_parameters_frozen():
     for name, param in experts.named_parameters():
         assert param.requires_grad == (name != first), name
         assert param.shape[0] == local and param.dtype == frozen[name].dtype, name
+
+
+def test_a_second_apply_expert_parallel_is_refused_not_sliced_again(monkeypatch):
+    # Before: a second call (parallelize run twice on one model) cut each rank's 4 experts
+    # to 2 and planned dispatch for 4 experts in all, without a word.
+    import torch.distributed as dist
+
+    from mt_parallel.expert_parallel import apply_expert_parallel
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    model = build_model(qwen3_moe.debug())
+    apply_expert_parallel(model, group=None)
+    counts = [m.mlp.experts.num_experts for m in model.model.layers if isinstance(m.mlp, MoEBlock)]
+    with pytest.raises(ValueError, match=r"already has an expert-parallel dispatcher"):
+        apply_expert_parallel(model, group=None)
+    assert counts == [
+        m.mlp.experts.num_experts for m in model.model.layers if isinstance(m.mlp, MoEBlock)
+    ]

@@ -354,12 +354,22 @@ def apply_expert_parallel(
         async_comm: asynchronous all-to-alls (see `ExpertParallelDispatcher`).
     """
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
-    for layer in model.modules():
+    moe_layers = []  # (layer, its experts), all checked before the first slice
+    for name, layer in model.named_modules():
         experts = getattr(getattr(layer, "mlp", None), "experts", None)
         if not isinstance(experts, GroupedExperts) or getattr(layer, "dispatcher", None) is None:
             continue
+        if isinstance(layer.dispatcher, ExpertParallelDispatcher):
+            # Slicing again would cut this rank's experts to a slice of a slice.
+            raise ValueError(
+                f"{name!r} already has an expert-parallel dispatcher (its experts are this "
+                f"rank's {experts.num_experts} of {layer.dispatcher.num_experts}); apply "
+                "expert parallelism once, to a freshly built model"
+            )
+        check_ep_divides_experts(ep, experts.num_experts)
+        moe_layers.append((layer, experts))
+    for layer, experts in moe_layers:
         total = experts.num_experts
-        check_ep_divides_experts(ep, total)
         local = total // ep
         _slice_experts(experts, rank * local, local)
         layer.dispatcher = ExpertParallelDispatcher(total, group, async_comm=async_comm)
