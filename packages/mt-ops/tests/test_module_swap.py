@@ -98,3 +98,23 @@ def test_model_swaps_refuse_before_swapping_anything(swap):
     with pytest.raises(ValueError, match=r"'1'.*buffer 'scale'"):
         swap(model)
     assert type(model[0]) is nn.Linear  # refused before any swap: not half converted
+
+
+def test_make_weight_grads_deferrable_after_fully_shard_is_refused_with_the_order(tmp_path):
+    # Before: swapped, then the first forward failed with "aten.addmm.default got mixed
+    # torch.Tensor and DTensor" (FSDP2 gathers weights into the modules it recorded).
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
+    )
+    try:
+        model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        with pytest.raises(ValueError, match=r"'0'.*DTensor.*make_weight_grads_deferrable before"):
+            make_weight_grads_deferrable(model)
+        assert type(model[0]) is nn.Linear
+    finally:
+        dist.destroy_process_group()

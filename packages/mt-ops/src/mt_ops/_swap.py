@@ -8,19 +8,28 @@ buffers or parameters, a parametrization) is refused by name rather than dropped
 """
 
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.utils import parametrize
 
 _OWN_PARAMETERS = ("weight", "bias")
 
 
 def check_swappable(module: nn.Module, converter: str, fqn: str | None = None) -> None:
-    """Raises ValueError when ``module`` holds state a swap would drop.
+    """Raises ValueError when ``module`` holds state a swap would drop, or is FSDP-sharded.
 
     Args:
         module: The linear (or grouped linear) about to be swapped.
         converter: What swaps it, for the message (``"FP8Linear.from_linear"``).
         fqn: Its name in the model, when a model-wide swap selected it.
     """
+    where = f"{fqn!r} ({type(module).__name__})" if fqn is not None else type(module).__name__
+    if isinstance(getattr(module, "weight", None), DTensor):
+        # FSDP2 gathers each forward's weight into the module it recorded at fully_shard;
+        # a module swapped in later would only ever see the sharded DTensor.
+        raise ValueError(
+            f"{where} has a DTensor weight (shape {tuple(module.weight.shape)}): the model is "
+            f"already sharded; call {converter} before fully_shard / parallelize"
+        )
     extras = []
     if parametrize.is_parametrized(module):
         extras.append(f"parametrizations of {sorted(module.parametrizations.keys())}")
@@ -33,7 +42,6 @@ def check_swappable(module: nn.Module, converter: str, fqn: str | None = None) -
     ]
     extras += [f"buffer {n!r}" for n, _ in module.named_buffers(recurse=False)]
     if extras:
-        where = f"{fqn!r} ({type(module).__name__})" if fqn is not None else type(module).__name__
         raise ValueError(
             f"{where} holds {', '.join(extras)} beyond weight and bias, which {converter} "
             "would drop; leave this layer out of the swap (module_filter_fn for convert_to_fp8) "

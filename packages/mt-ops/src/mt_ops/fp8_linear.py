@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
 from mt_ops._dtypes import autocast_dtype
 from mt_ops._swap import carry_module_state, check_swappable
@@ -489,14 +488,7 @@ def _check_same_settings(module: nn.Module, fqn: str, settings: dict) -> None:
 def _check_convertible(module: nn.Module, fqn: str) -> None:
     """Raises ValueError, naming the layer, when ``module_filter_fn`` selected a layer that
     cannot run in FP8."""
-    if isinstance(module.weight, DTensor):
-        # FSDP2 hands each forward's gathered weight to the module it recorded at
-        # fully_shard; a module swapped in later would only ever see the sharded DTensor.
-        raise ValueError(
-            f"{fqn!r} has a DTensor weight (shape {tuple(module.weight.shape)}): the model "
-            "is already sharded; call convert_to_fp8 before fully_shard / parallelize"
-        )
-    check_swappable(module, "convert_to_fp8", fqn)
+    check_swappable(module, "convert_to_fp8", fqn)  # also refuses FSDP-sharded layers
     if module.in_features % _FP8_ALIGN or module.out_features % _FP8_ALIGN:
         raise ValueError(
             f"{fqn!r} (in_features {module.in_features}, out_features {module.out_features}) "
