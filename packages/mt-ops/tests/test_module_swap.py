@@ -118,3 +118,31 @@ def test_make_weight_grads_deferrable_after_fully_shard_is_refused_with_the_orde
         assert type(model[0]) is nn.Linear
     finally:
         dist.destroy_process_group()
+
+
+def test_a_weight_grad_queue_is_refused_for_an_fsdp_sharded_model(tmp_path):
+    # FSDP2 reduce-scatters each layer's gradients inside the backward, before any flush:
+    # the deferred weight gradients never reached the sharded parameters (their .grad
+    # stayed None after the flush), silently.
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from mt_ops.deferred_wgrad import WeightGradQueue, set_weight_grad_queue
+
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
+    )
+    try:
+        model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+        make_weight_grads_deferrable(model)
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        with pytest.raises(
+            ValueError,
+            match=r"FSDP2-sharded modules \(the model itself, 1 in all\).*before any flush",
+        ):
+            set_weight_grad_queue(model, WeightGradQueue())
+        assert model[0].wgrad_queue is None
+        assert set_weight_grad_queue(model, None) == 2  # clearing stays allowed
+    finally:
+        dist.destroy_process_group()

@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 
 from mt_ops._dtypes import autocast_dtype
 from mt_ops._swap import carry_module_state, check_swappable
@@ -129,11 +130,22 @@ def set_weight_grad_queue(model: nn.Module, queue: WeightGradQueue | None) -> in
     Args:
         model: Any module tree; modules with a ``wgrad_queue`` attribute are updated
             (:class:`Linear`, ``GroupedLinear``, ``FP8Linear``, ``FP8GroupedLinear``).
+            A queue for a tree with FSDP2-sharded modules is refused (ValueError).
         queue: The queue, or None for immediate weight gradients.
 
     Returns:
         The number of modules updated.
     """
+    if queue is not None:
+        sharded = [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+        if sharded:
+            where = "the model itself" if sharded[0] == "" else repr(sharded[0])
+            raise ValueError(
+                f"model holds FSDP2-sharded modules ({where}, {len(sharded)} in all): FSDP2 "
+                "reduce-scatters each layer's gradients inside the backward, before any flush, "
+                "so deferred weight gradients would never reach the sharded parameters; defer "
+                "weight gradients only in an unsharded model (or pass queue=None)"
+            )
     count = 0
     for module in model.modules():
         if hasattr(module, "wgrad_queue"):
