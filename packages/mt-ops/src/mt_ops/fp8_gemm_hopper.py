@@ -114,6 +114,11 @@ def supported(operands, out: Tensor) -> bool:
 if HAS_GLUON:
 
     @gluon.jit
+    def _load_scale(ptr, offs, mask):
+        """fp32 scales (0 where masked)."""
+        return gl.load(ptr + offs, mask=mask, other=0)
+
+    @gluon.jit
     def _tile_meta(tile_start_ptr, tile_end_ptr, tile_group_ptr, pid, num_n_blocks, total,
                    num_groups):  # fmt: skip
         """Group, first and end row of output tile ``pid`` (group G past the last tile)."""
@@ -123,6 +128,42 @@ if HAS_GLUON:
         row_start = gl.load(tile_start_ptr + pid_t, mask=ok, other=0)
         row_end = gl.load(tile_end_ptr + pid_t, mask=ok, other=0)
         return g, row_start, row_end
+
+    @gluon.jit
+    def _ring(desc):
+        """Shared memory for STAGES tiles of ``desc``'s block."""
+        return gl.allocate_shared_memory(desc.dtype, [STAGES] + desc.block_type.shape, desc.layout)
+
+    @gluon.jit
+    def _stage_barriers():
+        """The ring's ``ready`` (TMA bytes landed) and ``empty`` (both consumer warpgroups
+        done with the stage) mbarriers."""
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=2)
+        return ready, empty
+
+    @gluon.jit
+    def _store_staging(c_desc, TMA_STORE: gl.constexpr):
+        """Staging for the TMA stores: two [64, 128] halves per consumer warpgroup."""
+        NUM_C: gl.constexpr = 4 if TMA_STORE else 1
+        return gl.allocate_shared_memory(c_desc.dtype, [NUM_C] + c_desc.block_type.shape,
+                                         c_desc.layout)  # fmt: skip
+
+    @gluon.jit
+    def _tma_store_halves(c_desc, c_bufs, acc0, acc1, row, col, CID: gl.constexpr):
+        """Writes a warpgroup's [128, 128] block (``acc0`` over ``acc1``) at (row, col) with
+        asynchronous TMA stores, once the previous ones have read the staging buffers."""
+        tma.store_wait(0)
+        gl.thread_barrier()
+        c_bufs.index(2 * CID).store(acc0.to(c_desc.dtype))
+        c_bufs.index(2 * CID + 1).store(acc1.to(c_desc.dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(c_desc, [row, col], c_bufs.index(2 * CID))
+        tma.async_copy_shared_to_global(c_desc, [row + 64, col], c_bufs.index(2 * CID + 1))
 
     # --- fprop / dgrad ----------------------------------------------------------------------
 
@@ -186,9 +227,9 @@ if HAS_GLUON:
                 num_k = num_k2
                 k = kb - num_k1
         offs = rows.to(gl.int64) * num_k + k
-        sa0 = gl.load(sa_p + offs, mask=ok0 & valid, other=0.0)
-        sa1 = gl.load(sa_p + offs + 64 * num_k, mask=ok1 & valid, other=0.0)
-        sb = gl.load(sb_p + sb_row * num_k + k, mask=sb_ok & valid, other=0.0)
+        sa0 = _load_scale(sa_p, offs, ok0 & valid)
+        sa1 = _load_scale(sa_p, offs + 64 * num_k, ok1 & valid)
+        sb = _load_scale(sb_p, sb_row * num_k + k, sb_ok & valid)
         return sa0, sa1, sb
 
     @gluon.jit
@@ -252,16 +293,7 @@ if HAS_GLUON:
                 if TMA_STORE and row_end - row_start == BLOCK:
                     # A whole tile: asynchronous stores that overlap the next tile's loop
                     # (columns past N are clipped), once the last ones have read the buffers.
-                    tma.store_wait(0)
-                    gl.thread_barrier()
-                    c_bufs.index(2 * CID).store(acc0.to(c_desc.dtype))
-                    c_bufs.index(2 * CID + 1).store(acc1.to(c_desc.dtype))
-                    fence_async_shared()
-                    gl.thread_barrier()
-                    tma.async_copy_shared_to_global(c_desc, [row_start, col0],
-                                                    c_bufs.index(2 * CID))  # fmt: skip
-                    tma.async_copy_shared_to_global(c_desc, [row_start + 64, col0],
-                                                    c_bufs.index(2 * CID + 1))  # fmt: skip
+                    _tma_store_halves(c_desc, c_bufs, acc0, acc1, row_start, col0, CID)
                 else:  # masked: a group's last rows must not touch the next group's
                     out_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
                     cols = col0 + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, out_l))
@@ -283,18 +315,10 @@ if HAS_GLUON:
         N, num_k1, num_k2, num_n_scale, num_n_blocks, num_tiles, num_groups, num_programs,
         HAS_SECOND: gl.constexpr, TMA_STORE: gl.constexpr,
     ):  # fmt: skip
-        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape,
-                                           a_desc.layout)  # fmt: skip
-        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape,
-                                           b_desc.layout)  # fmt: skip
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        NUM_C: gl.constexpr = 4 if TMA_STORE else 1
-        c_bufs = gl.allocate_shared_memory(c_desc.dtype, [NUM_C] + c_desc.block_type.shape,
-                                           c_desc.layout)  # fmt: skip
-        for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=2)  # both consumer warpgroups release a stage
+        a_bufs = _ring(a_desc)
+        b_bufs = _ring(b_desc)
+        c_bufs = _store_staging(c_desc, TMA_STORE)
+        ready, empty = _stage_barriers()
         p = (a_desc, b_desc, a2_desc, b2_desc, a_bufs, b_bufs, ready, empty, sa_ptr, sb_ptr,
              sa2_ptr, sb2_ptr, c_ptr, c_desc, c_bufs, tile_start_ptr, tile_end_ptr,
              tile_group_ptr, N, num_k1, num_k2, num_n_scale, num_n_blocks, num_tiles,
@@ -386,16 +410,8 @@ if HAS_GLUON:
             col0 = pid_n * BLOCK_N + CID * BLOCK
             if TMA_STORE and last >= first:  # (always true: see the module docstring)
                 # Whole 128-row tiles (N % 128 == 0); columns past K are clipped.
-                tma.store_wait(0)
-                gl.thread_barrier()
-                c_bufs.index(2 * CID).store(acc0.to(c_desc.dtype))
-                c_bufs.index(2 * CID + 1).store(acc1.to(c_desc.dtype))
-                fence_async_shared()
-                gl.thread_barrier()
                 c_row = g * N + pid_m * BLOCK  # c viewed as [G·N, K]
-                tma.async_copy_shared_to_global(c_desc, [c_row, col0], c_bufs.index(2 * CID))
-                tma.async_copy_shared_to_global(c_desc, [c_row + 64, col0],
-                                                c_bufs.index(2 * CID + 1))  # fmt: skip
+                _tma_store_halves(c_desc, c_bufs, acc0, acc1, c_row, col0, CID)
             else:  # masked stores straight from the MMA layout
                 cols = col0 + gl.arange(0, BLOCK, layout=col_l)
                 rows = pid_m * BLOCK + gl.arange(0, 64, layout=row_l)
@@ -416,22 +432,12 @@ if HAS_GLUON:
         N, K, num_m, num_n, num_groups, num_programs,
         TMA_STORE: gl.constexpr, ACCUMULATE: gl.constexpr,
     ):  # fmt: skip
-        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape,
-                                           a_desc.layout)  # fmt: skip
-        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape,
-                                           b_desc.layout)  # fmt: skip
-        sa_bufs = gl.allocate_shared_memory(sa_desc.dtype, [STAGES] + sa_desc.block_type.shape,
-                                            sa_desc.layout)  # fmt: skip
-        sb_bufs = gl.allocate_shared_memory(sb_desc.dtype, [STAGES] + sb_desc.block_type.shape,
-                                            sb_desc.layout)  # fmt: skip
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        NUM_C: gl.constexpr = 4 if TMA_STORE else 1
-        c_bufs = gl.allocate_shared_memory(c_desc.dtype, [NUM_C] + c_desc.block_type.shape,
-                                           c_desc.layout)  # fmt: skip
-        for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
-            mbarrier.init(empty.index(s), count=2)
+        a_bufs = _ring(a_desc)
+        b_bufs = _ring(b_desc)
+        sa_bufs = _ring(sa_desc)
+        sb_bufs = _ring(sb_desc)
+        c_bufs = _store_staging(c_desc, TMA_STORE)
+        ready, empty = _stage_barriers()
         p = (a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty,
              c_ptr, c_desc, c_bufs, group_first_ptr, N, K, num_m, num_n, num_groups,
              num_programs)  # fmt: skip
