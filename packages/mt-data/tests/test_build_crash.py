@@ -87,14 +87,37 @@ def test_a_refused_build_leaves_the_partial_files_too(tmp_path):
     assert all((out / name).read_bytes() == b"half-written" for name in PARTIAL_FILES)
 
 
-def test_without_a_lock_only_partial_files_untouched_for_an_hour_are_removed(tmp_path, monkeypatch):
+def _without_flock(monkeypatch, error=None) -> None:
+    """Make `flock` fail as on a file system without it (NFS): builds go ahead unlocked."""
     import errno
     import fcntl
 
     def no_flock(fd, op):
-        raise OSError(errno.ENOLCK, "No locks available")
+        raise error or OSError(errno.EBADF, "Bad file descriptor")
 
     monkeypatch.setattr(fcntl, "flock", no_flock)
+
+
+def _second_build(inputs, output):
+    """A build into `output` on another thread (as another process would run it); returns
+    the unstarted thread and the list its exception, if any, lands in."""
+    import threading
+
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            _build(inputs, output)
+        except BaseException as e:  # reported by the test
+            errors.append(e)
+
+    return threading.Thread(target=run), errors
+
+
+def test_without_a_lock_only_partial_files_untouched_for_an_hour_are_removed(tmp_path, monkeypatch):
+    import errno
+
+    _without_flock(monkeypatch, OSError(errno.ENOLCK, "No locks available"))
     a = _write_jsonl(tmp_path / "in" / "a.jsonl", ["x = 1"])
     out = tmp_path / "out"
     out.mkdir()
@@ -190,8 +213,6 @@ def test_parquet_inputs_without_pyarrow_are_refused_before_any_shard_is_built(
 
 
 def test_two_builds_without_a_lock_never_leave_a_wrong_shard(tmp_path, monkeypatch):
-    import errno
-    import fcntl
     import threading
     import warnings
 
@@ -203,23 +224,12 @@ def test_two_builds_without_a_lock_never_leave_a_wrong_shard(tmp_path, monkeypat
     _build([a], tmp_path / "reference")
     expected = _files(tmp_path / "reference")
 
-    def no_flock(fd, op):  # NFS: every build goes ahead unlocked, with a warning
-        raise OSError(errno.EBADF, "Bad file descriptor")
-
-    monkeypatch.setattr(fcntl, "flock", no_flock)
+    _without_flock(monkeypatch)  # every build goes ahead unlocked, with a warning
     # Build 1 (this thread) is about to finish its shard when build 2 (another thread, as
     # another process would) starts the same one; build 2 waits half-way until build 1 is done.
     second_is_writing, first_is_done = threading.Event(), threading.Event()
     add_documents, finalize = IndexedDatasetWriter.add_documents, IndexedDatasetWriter.finalize
-    errors: list[BaseException] = []
-
-    def second_build() -> None:
-        try:
-            _build([a], tmp_path / "out")
-        except BaseException as e:  # reported below
-            errors.append(e)
-
-    second = threading.Thread(target=second_build)
+    second, errors = _second_build([a], tmp_path / "out")
 
     def paused_add_documents(self, tokens, lengths):
         add_documents(self, tokens, lengths)
@@ -251,8 +261,6 @@ def test_two_builds_without_a_lock_never_leave_a_wrong_shard(tmp_path, monkeypat
 
 
 def test_two_builds_without_a_lock_writing_the_manifest_at_once_both_succeed(tmp_path, monkeypatch):
-    import errno
-    import fcntl
     import threading
     import warnings
 
@@ -262,22 +270,11 @@ def test_two_builds_without_a_lock_writing_the_manifest_at_once_both_succeed(tmp
     _build([a], tmp_path / "reference")
     expected = _files(tmp_path / "reference")
 
-    def no_flock(fd, op):
-        raise OSError(errno.EBADF, "Bad file descriptor")
-
-    monkeypatch.setattr(fcntl, "flock", no_flock)
+    _without_flock(monkeypatch)
     # Build 1 has opened its manifest's temporary file when build 2 opens its own; build
     # 2 writes it once build 1 is done.
     second_opened, first_is_done = threading.Event(), threading.Event()
-    errors: list[BaseException] = []
-
-    def second_build() -> None:
-        try:
-            _build([a], tmp_path / "out")
-        except BaseException as e:  # reported below
-            errors.append(e)
-
-    second = threading.Thread(target=second_build)
+    second, errors = _second_build([a], tmp_path / "out")
     dump = json.dump
 
     def paused_dump(data, f, **kwargs):
