@@ -92,10 +92,13 @@ if HAS_GLUON:  # kernels read these as compile-time constants
 def supported(operands, out: Tensor) -> bool:
     """Whether these kernels can run ``operands`` (:class:`~mt_ops.fp8_quant.Fp8Quantized`)
     into ``out``: Gluon imports, the device is a Hopper GPU (sm_90: wgmma), the scales are
-    contiguous fp32 (E8M0 scales take the Triton kernels), and the data and ``out`` are
-    contiguous, 16-byte aligned CUDA tensors with 16-byte aligned rows, non-empty, with
-    fewer than 2³¹ elements (TMA coordinates and row offsets are int32)."""
+    contiguous fp32 (E8M0 scales take the Triton kernels), ``out`` is BF16, FP16 or fp32,
+    and the data and ``out`` are contiguous, 16-byte aligned CUDA tensors with 16-byte
+    aligned rows, non-empty, with fewer than 2³¹ elements (TMA coordinates and row offsets
+    are int32)."""
     if not HAS_GLUON or not out.is_cuda or torch.cuda.get_device_capability(out.device) != (9, 0):
+        return False
+    if out.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return False
     tensors = [q.data for q in operands] + [out]
     return all(
@@ -463,7 +466,9 @@ def _fp8_descriptor(data: Tensor, block_rows: int):
 
 
 def _out_descriptor(out_2d: Tensor):
-    dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}.get(out_2d.dtype, gl.float32)
+    dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[
+        out_2d.dtype
+    ]
     layout = gl.NVMMASharedLayout.get_default_for([64, _BLOCK], dtype)
     return GluonDescriptor.from_tensor(out_2d, [64, _BLOCK], layout)
 
