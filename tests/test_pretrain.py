@@ -131,6 +131,34 @@ def test_changed_schedule_on_resume_warns_about_the_lr(tmp_path, caplog):
     assert "LR schedule is recomputed" in caplog.text
 
 
+def test_a_changed_micro_batch_size_on_resume_warns_when_the_balancing_loss_depends_on_it(
+    tmp_path, caplog
+):
+    # A run of 3 steps against one of 1 step resumed with micro-batches of 4 (the same
+    # global batch of 4). tiny's "global" balancing loss is one loss per micro-batch, so
+    # the regrouping changes the step-2 gradient and so the step-3 loss: a warning says so.
+    # A per-sequence loss does not depend on the grouping: no warning, the same loss.
+    constant_lr = ["training.warmup_steps=0", "training.min_lr_ratio=1.0"]
+    for aux_loss_type in ("global", "sequence"):
+        run = [f"model.aux_loss_type={aux_loss_type}", *constant_lr]
+        whole = pretrain(_cfg(tmp_path / f"{aux_loss_type}-whole", "training.max_steps=3", *run))
+        split = tmp_path / aux_loss_type
+        pretrain(_cfg(split, "training.max_steps=1", *run))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="mt_train"):
+            resumed = pretrain(
+                _cfg(split, "training.max_steps=3", "training.micro_batch_size=4", *run)
+            )
+        difference = abs(resumed.losses[1] - whole.losses[2]) / whole.losses[2]
+        if aux_loss_type == "global":
+            assert "training.micro_batch_size changed from 2 to 4" in caplog.text
+            assert "keep training.micro_batch_size=2" in caplog.text
+            assert difference > 1e-6
+        else:
+            assert "training.micro_batch_size changed" not in caplog.text
+            assert difference <= 1e-6
+
+
 def test_an_unfinished_checkpoint_is_never_resumed(tmp_path):
     pretrain(_cfg(tmp_path, "training.max_steps=2"))
     root = checkpoint_root(tmp_path)

@@ -370,6 +370,7 @@ def _resume(state: TrainState, checkpoint) -> None:
                 "seed only seeds new runs: the data order and RNG state of a resumed run "
                 "continue from the checkpoint (seed %r)", old.get("seed")
             )  # fmt: skip
+        _warn_if_micro_batches_regroup_the_balancing_loss(state, old, new)
     try:
         old_lr = lr_at(state.step + 1, JobConfig.from_dict(saved["config"]).training)
     except (ValueError, TypeError, KeyError):
@@ -383,6 +384,33 @@ def _resume(state: TrainState, checkpoint) -> None:
             new_lr,
             old_lr,
         )
+
+
+def _warn_if_micro_batches_regroup_the_balancing_loss(
+    state: TrainState, old: dict[str, Any], new: dict[str, Any]
+) -> None:
+    """Warns when the resumed run groups the global batch into micro-batches of another
+    size while the model's load-balancing loss is one per micro-batch (``global``): that
+    loss, and so the gradient, then differs from the uninterrupted run's (a per-sequence
+    loss, or none, does not depend on the grouping).
+
+    Args:
+        state: the resumed loop state.
+        old: the checkpoint's config, flattened.
+        new: this run's config, flattened.
+    """
+    key = "training.micro_batch_size"
+    model = state.cfg.model
+    coef = getattr(model, "router_aux_loss_coef", 0.0)
+    if old.get(key) == new.get(key) or coef <= 0 or model.aux_loss_type != "global":
+        return
+    log.warning(
+        "%s changed from %s to %s: the load-balancing loss (model.aux_loss_type='global', "
+        "model.router_aux_loss_coef=%s) is computed over each micro-batch, so from step %d "
+        "on this run differs from one that kept %s; to continue it exactly, keep %s=%s "
+        "(any layout whose dp*ep divides it)",
+        key, old.get(key), new.get(key), coef, state.step + 1, old.get(key), key, old.get(key),
+    )  # fmt: skip
 
 
 def _check_same_family(checkpoint, saved_config: Any, cfg: JobConfig) -> None:
