@@ -165,3 +165,20 @@ def test_an_empty_batch_gives_empty_logits_and_zero_losses(build_debug_model, fa
             assert int(out.num_tokens) == 0 and float(out.ce_sum.detach()) == 0.0
             assert float(out.aux_loss.detach()) == 0.0, (shape, aux_loss_type)
             (out.ce_sum + out.aux_loss).backward()
+
+
+@pytest.mark.parametrize("bad_id", [4096, 5000, -1])
+def test_token_ids_outside_the_vocabulary_fail_naming_the_id_and_its_position(
+    build_debug_model, bad_id
+):
+    # The embedding raised "IndexError: index out of range in self", naming neither the id
+    # nor the vocabulary size.
+    model = build_debug_model()
+    assert model.config.vocab_size == 4096
+    input_ids_BS, labels_BS = _batch()
+    input_ids_BS[1, 7] = bad_id
+    message = rf"input_ids\[1, 7\] is {bad_id}, outside \[0, vocab_size=4096\)"
+    with pytest.raises(ValueError, match=message):
+        model(input_ids_BS)
+    with pytest.raises(ValueError, match=message):
+        model.loss(input_ids_BS, labels_BS)

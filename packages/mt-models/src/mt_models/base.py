@@ -122,15 +122,25 @@ _INDEX_DTYPES = (torch.int64, torch.int32)
 
 
 def _check_inputs(
-    input_ids_BS: Tensor, labels_BS: Tensor | None, position_ids: Tensor | None
+    input_ids_BS: Tensor, labels_BS: Tensor | None, position_ids: Tensor | None, vocab_size: int
 ) -> None:
-    """Raises ValueError naming the input whose shape or dtype :meth:`CausalLM.forward`
-    cannot take (before: an unpacking error deep in a layer, or a gather dtype error)."""
+    """Raises ValueError naming the input whose shape, dtype or (on the CPU) token id
+    :meth:`CausalLM.forward` cannot take (before: an unpacking error deep in a layer, a
+    gather dtype error, or the embedding's "index out of range in self")."""
     if input_ids_BS.dim() != 2 or input_ids_BS.dtype not in _INDEX_DTYPES:
         raise ValueError(
             f"input_ids ({input_ids_BS.dtype} {tuple(input_ids_BS.shape)}) must be int64 or "
             "int32 [B, S]; add a batch dim with input_ids[None] and pass token ids, not floats"
         )
+    if input_ids_BS.device.type == "cpu":  # free on the host; on GPU it would sync
+        bad_BS = (input_ids_BS < 0) | (input_ids_BS >= vocab_size)
+        if bool(bad_BS.any()):
+            b, s = (int(i) for i in bad_BS.nonzero()[0])
+            raise ValueError(
+                f"input_ids[{b}, {s}] is {int(input_ids_BS[b, s])}, outside [0, "
+                f"vocab_size={vocab_size}); the tokenizer does not match the model (compare "
+                "its vocabulary with config vocab_size), or pad with a token id of the vocabulary"
+            )
     if labels_BS is not None:
         if labels_BS.shape != input_ids_BS.shape:
             raise ValueError(
@@ -226,7 +236,7 @@ class CausalLM(nn.Module):
         Returns:
             ``logits_BSV`` in the model dtype, or a :class:`LossOutput` when labels are given.
         """
-        _check_inputs(input_ids_BS, labels_BS, position_ids)
+        _check_inputs(input_ids_BS, labels_BS, position_ids, self.config.vocab_size)
         stack = self.model(input_ids_BS, position_ids)
         if labels_BS is None:
             return nn.functional.linear(stack.hidden_BSD, self.output_weight)  # [B, S, V]
