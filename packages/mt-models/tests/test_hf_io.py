@@ -651,3 +651,15 @@ def test_save_hf_refuses_a_size_string_before_touching_an_earlier_save(build_deb
     with pytest.raises(ValueError, match=r"max_shard_size \('5GB'\) must be a number of bytes"):
         save_hf(model, tmp_path, max_shard_size="5GB")
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+@pytest.mark.parametrize("preset", [qwen3_30b_a3b, deepseek_v2_lite, gpt_oss_20b])
+def test_an_attention_dropout_other_than_zero_is_refused_not_dropped(preset):
+    # transformers drops attention probabilities with config.attention_dropout while
+    # training; config_from_hf dropped the field, so fine-tuning here silently ran without it.
+    data = config_to_hf(preset(), "bfloat16")
+    for value in (0.0, 0, None):
+        assert config_from_hf({**data, "attention_dropout": value}) == preset()
+    with pytest.raises(ValueError, match=r"attention_dropout \(0.1\) is not supported"):
+        config_from_hf({**data, "attention_dropout": 0.1})
+

@@ -9,10 +9,12 @@ mapped (Qwen3's ``num_local_experts`` as written by transformers 5; DeepSeek's
 ``aux_loss_alpha`` and ``seq_aux``). A field the file leaves out means what transformers
 makes of it (``HF_ABSENT_DEFAULTS`` where our dataclass defaults differ). A ``hidden_act``
 other than SiLU (Qwen3-MoE, DeepSeek-V2) is refused: dropping it would load the weights
-into a different function. A ``quantization_config`` is refused unless it is GPT-OSS's
-MXFP4 (dequantized on import): other methods store scales beside the weights that
-``load_hf`` does not apply. A DeepSeek-V2 ``moe_layer_freq`` other than 1 or ``scoring_func``
-other than softmax is refused too (transformers ignores both; the original code does not).
+into a different function. An ``attention_dropout`` other than 0 is refused (transformers
+trains with it; these models have no dropout). A ``quantization_config`` is refused unless
+it is GPT-OSS's MXFP4 (dequantized on import): other methods store scales beside the
+weights that ``load_hf`` does not apply. A DeepSeek-V2 ``moe_layer_freq`` other than 1 or
+``scoring_func`` other than softmax is refused too (transformers ignores both; the original
+code does not).
 """
 
 import dataclasses
@@ -154,6 +156,13 @@ def config_from_hf(data: dict[str, Any]) -> Any:
             f"config.json hidden_act ({hidden_act!r}) is not supported: {family}'s MLPs and "
             f"experts here are SwiGLU, silu(gate) * up; only {_SILU_NAMES} load as the "
             "checkpoint was trained"
+        )
+    dropout = data.get("attention_dropout")
+    if dropout not in (None, 0):
+        raise ValueError(
+            f"config.json attention_dropout ({dropout!r}) is not supported: transformers drops "
+            "attention probabilities with it while training, these models never do; set it to "
+            "0.0 (every released checkpoint has 0.0)"
         )
     fixed = _DEEPSEEK_FIXED if family == "deepseek_v2" else {}
     for key, supported in fixed.items():
