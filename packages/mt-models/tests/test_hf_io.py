@@ -663,3 +663,14 @@ def test_an_attention_dropout_other_than_zero_is_refused_not_dropped(preset):
     with pytest.raises(ValueError, match=r"attention_dropout \(0.1\) is not supported"):
         config_from_hf({**data, "attention_dropout": 0.1})
 
+
+def test_deepseek_norm_topk_prob_true_is_refused_in_config_json_and_in_python():
+    # The original DeepSeek-V2 renormalizes the top-k weights when norm_topk_prob is true
+    # (and then skips routed_scaling_factor); transformers and this port ignored the field,
+    # so such a config.json or DeepseekV2Config(norm_topk_prob=True) built another router.
+    lite = config_to_hf(deepseek_v2_lite(), "bfloat16")
+    assert config_from_hf({**lite, "norm_topk_prob": False}) == deepseek_v2_lite()
+    with pytest.raises(ValueError, match=r"norm_topk_prob \(True\) is not supported"):
+        config_from_hf({**lite, "norm_topk_prob": True})
+    with pytest.raises(ValueError, match=r"norm_topk_prob \(True\) is not supported"):
+        dataclasses.replace(deepseek_v2_lite(), norm_topk_prob=True)

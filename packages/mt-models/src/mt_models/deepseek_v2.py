@@ -8,7 +8,8 @@ fused into one dense MLP, and dense layers for the first ``first_k_dense_replace
 (as ``transformers``' ``DeepseekV2DecoderLayer``).
 
 Like ``transformers``, the routed weights are not renormalized (``norm_topk_prob`` is kept
-for the Hub file but unused; both released models set it false).
+for the Hub file; both released models set it false, and true is refused: the original
+code renormalizes, transformers does not).
 """
 
 from dataclasses import dataclass
@@ -53,7 +54,8 @@ class DeepseekV2Config:
         n_group: Expert groups (group-limited routing).
         topk_group: Groups kept per token (group-limited routing).
         routed_scaling_factor: Multiplier of the routed weights.
-        norm_topk_prob: Kept for the Hub file; unused (as in transformers).
+        norm_topk_prob: Kept for the Hub file; false only (with K > 1, true renormalizes the
+            top-k weights in the original code, and transformers ignores it).
         rms_norm_eps: Epsilon of the layer RMSNorms.
         rope_theta: RoPE base.
         rope_scaling: The Hub's RoPE scaling dict (YaRN), or None.
@@ -128,6 +130,13 @@ class DeepseekV2Config:
             raise ValueError(
                 f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be even, qk_nope_head_dim "
                 f"({self.qk_nope_head_dim}) and n_shared_experts ({self.n_shared_experts}) >= 0"
+            )
+        if self.norm_topk_prob and self.num_experts_per_tok > 1:
+            raise ValueError(
+                f"norm_topk_prob ({self.norm_topk_prob}) is not supported: the original "
+                "DeepSeek-V2 code renormalizes the top-k weights to sum to one, transformers' "
+                "port (and this one) ignores the field, so the router would not be the one "
+                "the weights were trained with; set it to false (every released DeepSeek-V2)"
             )
         if self.q_lora_rank is not None and self.q_lora_rank < 1:
             raise ValueError(f"q_lora_rank ({self.q_lora_rank}) must be >= 1 or None")
