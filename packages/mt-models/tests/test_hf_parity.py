@@ -361,3 +361,38 @@ def test_qwen3_use_sliding_window_with_a_null_window_loads_as_full_attention(hf,
     ids, _ = _inputs(7)
     with torch.no_grad():
         assert (ours(ids) - reference(ids).logits).abs().max().item() <= 1e-4
+
+
+def test_a_bfloat16_deepseek_saved_by_transformers_keeps_its_fp32_router_through_load_and_save(
+    hf, tmp_path
+):
+    # transformers keeps DeepSeek-V2's gate.weight in fp32 in a bfloat16 model
+    # (_keep_in_fp32_modules_strict) and saves it so; load_hf rounded it to bfloat16, so the
+    # model routed otherwise than transformers' and save_hf did not give the file back.
+    import transformers
+    from safetensors.torch import load_file
+
+    kwargs = CASES["deepseek_q_lora_group_limited_yarn_mscale_first_dense"][1]
+    hf.model("deepseek_v2", seed=10, **_hf_config("deepseek_v2", kwargs)).save_pretrained(
+        tmp_path / "fp32"
+    )
+    transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "fp32", dtype=torch.bfloat16
+    ).save_pretrained(tmp_path / "hf")
+    original = load_file(tmp_path / "hf" / "model.safetensors")
+    gates = [k for k in original if k.endswith("mlp.gate.weight")]
+    assert gates and all(original[k].dtype == torch.float32 for k in gates)
+    assert original["model.embed_tokens.weight"].dtype == torch.bfloat16
+
+    ours = load_hf(tmp_path / "hf")
+    assert all(ours.get_parameter(k).dtype == torch.float32 for k in gates)
+    with torch.no_grad():
+        logits = ours(_inputs(8)[0])
+    assert logits.dtype == torch.bfloat16 and bool(logits.isfinite().all())
+    save_hf(ours, tmp_path / "ours")
+    written = load_file(tmp_path / "ours" / "model.safetensors")
+    assert sorted(written) == sorted(original)
+    for key, tensor in original.items():
+        assert written[key].dtype == tensor.dtype and torch.equal(written[key], tensor), key
+    config = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert config["dtype"] == "bfloat16"

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from mt_models.base import CausalLM, copy_whole_into
 from mt_models.hf_config import config_from_hf, config_to_hf, family_of_hf_config
+from mt_models.layers.router import TopKRouter
 from mt_models.mxfp4 import dequantize_mxfp4
 from mt_models.registry import MODEL_FAMILIES
 
@@ -403,12 +404,16 @@ def load_hf(
 
     Args:
         path: Directory with ``config.json`` and safetensors weights (sharded or not).
-        dtype: Parameter dtype; None keeps the checkpoint's (its embedding's dtype).
+        dtype: Parameter dtype; None keeps the checkpoint's: its embedding's dtype, and
+            fp32 for router weights stored in fp32 (transformers keeps DeepSeek-V2's
+            ``gate.weight`` fp32 in a bfloat16 model and saves it so; routers compute in
+            fp32 anyway), so ``save_hf`` gives the checkpoint back.
         device: Where the parameters live.
 
     Returns:
         The model, every parameter set from the checkpoint.
     """
+    keep_stored_routers = dtype is None
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise ValueError(
             f"dtype ({dtype!r}) must be a torch.dtype such as torch.bfloat16, or None for the "
@@ -428,10 +433,30 @@ def load_hf(
         with torch.device("meta"):
             model = MODEL_FAMILIES[hub.family][1](hub.config)
         model.to(dtype)  # on meta, so to_empty allocates the model once, in dtype
+        if keep_stored_routers:
+            _keep_fp32_routers(model, hub.headers)
         _check_against_model(path, hub.family, hub.hub_tensors, model.canonical_parameters())
         model.to_empty(device=device)
         hub.copy_into(model.canonical_parameters(), dtype)
     return model
+
+
+def _keep_fp32_routers(model: CausalLM, headers: dict[str, _Stored]) -> None:
+    """Turns (on meta) each router parameter the checkpoint stores in fp32 back to fp32.
+
+    Args:
+        model: The meta-device model, already in the load dtype.
+        headers: Stored key → ``_Stored`` (router keys are Hub keys in every family).
+    """
+    for prefix, module in model.named_modules():
+        if not isinstance(module, TopKRouter):
+            continue
+        for name, param in list(module.named_parameters(recurse=False)):
+            stored = headers.get(f"{prefix}.{name}")
+            if stored is not None and stored.dtype == "F32" and param.dtype != torch.float32:
+                module.register_parameter(
+                    name, torch.nn.Parameter(param.float(), requires_grad=param.requires_grad)
+                )
 
 
 def load_hf_into(model: CausalLM, path: str | Path) -> Any:
