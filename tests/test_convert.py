@@ -78,6 +78,29 @@ def test_hf_to_mt_to_hf_reproduces_every_tensor_key_dtype_and_value(tmp_path, fa
     assert config == json.loads((original / "config.json").read_text())
 
 
+def test_hf_to_mt_to_hf_keeps_a_bfloat16_deepseek_fp32_router(tmp_path):
+    # transformers saves a bfloat16 DeepSeek-V2 with gate.weight in fp32; mt-to-hf cast every
+    # tensor to the embedding's dtype, so the round trip rounded the routers to bfloat16.
+    from safetensors.torch import load_file, save_file
+
+    original = tmp_path / "hf"
+    _write_hf(FAMILIES["deepseek_v2"], original, torch.bfloat16)
+    tensors = load_file(original / "model.safetensors")
+    gates = [k for k in tensors if k.endswith("mlp.gate.weight")]
+    assert gates
+    for key in gates:
+        tensors[key] = tensors[key].float() + 1e-4  # fp32 values no bfloat16 holds
+    save_file(tensors, original / "model.safetensors", metadata={"format": "pt"})
+    assert main(["convert", "hf-to-mt", "--hf", str(original), "--out", str(tmp_path / "mt")]) == 0
+    assert main(["convert", "mt-to-hf", "--checkpoint", str(tmp_path / "mt"), "--out",
+                 str(tmp_path / "back")]) == 0
+    after = _hf_tensors(tmp_path / "back")
+    assert sorted(after) == sorted(tensors)
+    for key, tensor in tensors.items():
+        assert after[key].dtype == tensor.dtype and torch.equal(after[key], tensor), key
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
 @pytest.fixture(scope="module")
 def mt_checkpoint(tmp_path_factory):
     """A model-only mt checkpoint of the tiny GPT-OSS config (stacked experts on export);

@@ -277,7 +277,9 @@ def mt_to_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: int = 
     is renamed to ``out_dir`` when complete and removed if anything fails. Host memory is
     the checkpoint's tensors plus about one shard: they are checked against the model
     config's keys and shapes on the meta device (no model is allocated) and written
-    directly, in the embedding's dtype (a tensor stored in another dtype is cast).
+    directly, each in its stored dtype (as ``hf-to-mt`` read it: a bfloat16 DeepSeek-V2
+    saved by transformers keeps its fp32 ``gate.weight``); config.json names the
+    embedding's.
 
     Args:
         checkpoint: a training checkpoint (``step_N``) or a model-only one.
@@ -299,9 +301,7 @@ def mt_to_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: int = 
     with torch.device("meta"):
         targets = MODEL_FAMILIES[family][1](model_config).canonical_parameters()
     _check_checkpoint_keys(checkpoint, canonical, targets)
-    dtype = canonical["model.embed_tokens.weight"].dtype
-    for key, tensor in canonical.items():
-        canonical[key] = tensor.to(dtype)  # no-op (no copy) in the usual one-dtype checkpoint
+    dtype = canonical["model.embed_tokens.weight"].dtype  # config.json's
     tmp = out_dir.with_name(f".tmp-{out_dir.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.parent.mkdir(parents=True, exist_ok=True)
