@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from mt_models import load_hf, save_hf
+from mt_models.hf_config import config_from_hf
 
 pytest.importorskip("transformers")
 
@@ -396,3 +397,49 @@ def test_a_bfloat16_deepseek_saved_by_transformers_keeps_its_fp32_router_through
         assert written[key].dtype == tensor.dtype and torch.equal(written[key], tensor), key
     config = json.loads((tmp_path / "ours" / "config.json").read_text())
     assert config["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("in_rope_dict", [True, False])
+def test_a_top_level_original_max_position_embeddings_sets_yarn_as_in_transformers(
+    hf, tmp_path, in_rope_dict
+):
+    # transformers gives a top-level original_max_position_embeddings priority over the one
+    # in the YaRN dict (and over max_position_embeddings without one); load_hf ignored it and
+    # ran YaRN with other frequencies.
+    import transformers
+
+    kwargs = dict(CASES["qwen3_yarn_attention_factor_window_renormalized_topk_dense_layer"][1])
+    reference = hf.model("qwen3_moe", seed=11, **_hf_config("qwen3_moe", kwargs))
+    reference.save_pretrained(tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    data["original_max_position_embeddings"] = 16
+    if not in_rope_dict:
+        del data["rope_parameters"]["original_max_position_embeddings"]
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="eager"
+    )
+    assert reference.config.rope_parameters["original_max_position_embeddings"] == 16
+    ours = load_hf(tmp_path)
+    assert ours.config.rope_scaling["original_max_position_embeddings"] == 16
+    ids, _ = _inputs(9)
+    with torch.no_grad():
+        assert (ours(ids) - reference(ids).logits).abs().max().item() <= 1e-4
+
+
+
+def test_a_top_level_original_max_position_embeddings_sets_gpt_oss_default_yarn(tmp_path):
+    # With no RoPE setting, transformers' GPT-OSS model builds its default YaRN with the
+    # top-level value (its config shows it only once the model is built).
+    import transformers
+
+    kwargs = dict(CASES["gpt_oss_yarn_untruncated_alternating_windows_sinks"][1])
+    del kwargs["rope_parameters"]
+    data = {"model_type": "gpt_oss", **_hf_config("gpt_oss", kwargs)}
+    data["original_max_position_embeddings"] = 8192
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    expected = transformers.AutoModelForCausalLM.from_config(config).config.rope_parameters
+    assert expected["original_max_position_embeddings"] == 8192
+    scaling = config_from_hf(data).rope_scaling
+    assert scaling == {k: v for k, v in expected.items() if k != "rope_theta"}

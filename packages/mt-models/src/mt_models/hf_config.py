@@ -3,10 +3,11 @@
 Reads both RoPE spellings: the current ``rope_parameters`` dict (with ``rope_theta`` and
 ``rope_type`` inside) and the older top-level ``rope_theta`` plus ``rope_scaling`` (whose
 type key may be ``type`` or ``rope_type``); a non-empty ``rope_scaling`` wins over
-``rope_parameters``, as in transformers. Writes both (they agree). Keys the family does
-not use (``bos_token_id``, ``use_cache``, ...) are dropped on import; a few Hub aliases are
-mapped (Qwen3's ``num_local_experts`` as written by transformers 5; DeepSeek's
-``aux_loss_alpha`` and ``seq_aux``). A field the file leaves out means what transformers
+``rope_parameters``, as in transformers, and a top-level ``original_max_position_embeddings``
+wins over YaRN's own. Writes both (they agree). Keys the family does not use
+(``bos_token_id``, ``use_cache``, ...) are dropped on import; a few Hub aliases are mapped
+(Qwen3's ``num_local_experts`` as written by transformers 5; DeepSeek's ``aux_loss_alpha``
+and ``seq_aux``). A field the file leaves out means what transformers
 makes of it (``HF_ABSENT_DEFAULTS`` where our dataclass defaults differ). A ``hidden_act``
 other than SiLU (Qwen3-MoE, DeepSeek-V2) is refused: dropping it would load the weights
 into a different function. An ``attention_dropout`` other than 0 is refused (transformers
@@ -22,6 +23,7 @@ import typing
 from typing import Any
 
 from mt_models.configs import TRAINING_ONLY_FIELDS
+from mt_models.layers.rope import rope_type_of
 from mt_models.registry import MODEL_FAMILIES
 
 # transformers' RoPE base when a config.json names none.
@@ -219,7 +221,13 @@ def config_from_hf(data: dict[str, Any]) -> Any:
             # null in the file for a field that cannot be None: the family default. A
             # field that can be None keeps it (GPT-OSS's sliding_window: no window).
             del values[key]
-    return config_cls(**values)
+    config = config_cls(**values)
+    original = data.get("original_max_position_embeddings")
+    if original is not None and rope_type_of(config.rope_scaling) == "yarn":
+        # transformers gives a top-level value priority over YaRN's own (Phi-3's spelling).
+        scaling = {**config.rope_scaling, "original_max_position_embeddings": original}
+        config = dataclasses.replace(config, rope_scaling=scaling)
+    return config
 
 
 def config_to_hf(config: Any, dtype: str) -> dict[str, Any]:
