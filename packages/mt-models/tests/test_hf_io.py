@@ -674,3 +674,16 @@ def test_deepseek_norm_topk_prob_true_is_refused_in_config_json_and_in_python():
         config_from_hf({**lite, "norm_topk_prob": True})
     with pytest.raises(ValueError, match=r"norm_topk_prob \(True\) is not supported"):
         dataclasses.replace(deepseek_v2_lite(), norm_topk_prob=True)
+
+
+@pytest.mark.parametrize("window", ["absent", 4096])
+def test_qwen3_without_use_sliding_window_reads_no_window_as_transformers_does(window):
+    # transformers' Qwen3MoeConfig sets sliding_window to None unless use_sliding_window;
+    # config_from_hf kept 4096, so the config differed from the preset of the same model
+    # (and init_from warned that sliding_window differs).
+    data = config_to_hf(qwen3_30b_a3b(), "bfloat16")
+    assert data["use_sliding_window"] is False
+    del data["sliding_window"]
+    if window != "absent":
+        data["sliding_window"] = window
+    assert config_from_hf(data) == qwen3_30b_a3b()

@@ -202,6 +202,8 @@ def config_from_hf(data: dict[str, Any]) -> Any:
         if data.get("use_sliding_window") and data.get("sliding_window") is None:
             # transformers runs full causal attention on a null window
             data["use_sliding_window"] = False
+        if not data.get("use_sliding_window"):
+            data["sliding_window"] = None  # transformers' Qwen3MoeConfig keeps no unused window
     if family == "deepseek_v2":
         if "aux_loss_alpha" in data and "router_aux_loss_coef" not in data:
             data["router_aux_loss_coef"] = data["aux_loss_alpha"]
