@@ -13,7 +13,7 @@ from mt_models.hf_config import config_from_hf
 
 pytest.importorskip("transformers")
 
-SEQ_LEN = 24  # longer than every window below
+SEQ_LEN = 24  # longer than every window below but one
 VOCAB = 96
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
 
@@ -107,6 +107,16 @@ CASES = {
                 "beta_slow": 1.0,
                 "truncate": False,
             },
+        ),
+    ),
+    "gpt_oss_window_longer_than_the_sequence_no_attention_bias": (
+        "gpt_oss",
+        dict(
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            sliding_window=SEQ_LEN + 7,
+            attention_bias=False,
+            rms_norm_eps=0.05,
         ),
     ),
     "gpt_oss_truncated_yarn_custom_layer_types_tied": (
@@ -443,3 +453,39 @@ def test_a_top_level_original_max_position_embeddings_sets_gpt_oss_default_yarn(
     assert expected["original_max_position_embeddings"] == 8192
     scaling = config_from_hf(data).rope_scaling
     assert scaling == {k: v for k, v in expected.items() if k != "rope_theta"}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "qwen3_yarn_attention_factor_window_renormalized_topk_dense_layer",
+        "qwen3_unnormalized_topk_sparse_step_2_tied_attention_bias_linear_rope",
+        "gpt_oss_yarn_untruncated_alternating_windows_sinks",
+    ],
+)
+def test_load_balancing_loss_and_its_router_gradients_match_transformers_aux_loss(
+    name, hf, tmp_path
+):
+    # transformers' aux_loss (output_router_logits) pools every MoE layer's router
+    # statistics into one Switch loss; ours, with the default load_balancing "pooled" and
+    # aux_loss_type "global", must be the same number with the same router gradients.
+    family, kwargs = CASES[name]
+    reference = hf.model(family, seed=12, **_hf_config(family, kwargs))
+    reference.save_pretrained(tmp_path)
+    ours = load_hf(tmp_path)
+    assert ours.config.load_balancing == "pooled" and ours.config.aux_loss_type == "global"
+    ids, labels = _inputs(10)
+    ref_aux = reference(ids, output_router_logits=True).aux_loss
+    out = ours.loss(ids, labels)
+    balance = out.losses["load_balancing_loss"]
+    torch.testing.assert_close(balance, ref_aux.detach(), rtol=1e-6, atol=0)
+    coef = ours.config.router_aux_loss_coef
+    torch.testing.assert_close(out.aux_loss, coef * ref_aux.detach(), rtol=1e-6, atol=0)
+    (coef * ref_aux).backward()
+    out.aux_loss.backward()
+    routers = [n for n, _ in reference.named_parameters() if re.search(r"mlp\.(gate|router)\.", n)]
+    assert routers
+    for key in routers:
+        ref_grad, grad = reference.get_parameter(key).grad, ours.get_parameter(key).grad
+        error = (grad - ref_grad).norm().item()
+        assert error <= 1e-5 * ref_grad.norm().item() + 1e-12, (key, error)
