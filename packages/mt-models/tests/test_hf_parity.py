@@ -109,7 +109,7 @@ CASES = {
             },
         ),
     ),
-    "gpt_oss_window_longer_than_the_sequence_no_attention_bias": (
+    "gpt_oss_window_longer_than_the_sequence_no_attention_bias_clamping_swiglu": (
         "gpt_oss",
         dict(
             num_local_experts=4,
@@ -117,6 +117,8 @@ CASES = {
             sliding_window=SEQ_LEN + 7,
             attention_bias=False,
             rms_norm_eps=0.05,
+            swiglu_alpha=1.3,
+            swiglu_limit=0.5,  # below many gate/up values of these random weights
         ),
     ),
     "gpt_oss_truncated_yarn_custom_layer_types_tied": (
