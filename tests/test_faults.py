@@ -615,3 +615,50 @@ def test_a_checkpoint_of_a_newer_or_unknown_format_version_is_refused_naming_it(
     for version in range(1, current + 1):  # every version this code wrote still loads
         (step / "train_state.json").write_text(json.dumps({**state, "format_version": version}))
         assert checkpoint.train_state()["format_version"] == version
+
+
+def _setup_failures_on_rank_0(tmp):
+    """Body of the two-rank test below: each of rank 0's own setup steps fails in turn."""
+    import time
+
+    import torch.distributed as dist
+
+    from mt_train.distributed import RankFailedError
+
+    rank = dist.get_rank()
+    cases = {  # run_dir: what rank 0's error says
+        "locked": "is in use by another mt-train run (pid 4242 on node7)",
+        "config_blocked": "config.json.tmp",
+    }
+    for name, error in cases.items():
+        cfg = _cfg(Path(tmp) / name, "training.max_steps=1", "parallel.timeout_s=60")
+        start = time.monotonic()
+        with pytest.raises(Exception) as raised:  # noqa: PT011 - the type depends on the rank
+            pretrain(cfg)
+        elapsed = time.monotonic() - start
+        if rank == 0:
+            assert not isinstance(raised.value, RankFailedError), raised.value
+        else:
+            assert isinstance(raised.value, RankFailedError), raised.value
+            assert "rank 0 failed while" in str(raised.value)
+        assert error in str(raised.value), f"{name}: {raised.value}"
+        assert elapsed < 30, f"{name}: rank {rank} took {elapsed:.0f} s to give up"
+        dist.barrier()
+
+
+def test_a_setup_failure_of_rank_0_alone_stops_every_rank_at_once_naming_it(tmp_path, monkeypatch):
+    import fcntl
+
+    from mt_parallel.testing import spawn
+
+    # Spawned ranks take this process's sys.path and import tests.test_faults.
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
+    (tmp_path / "locked").mkdir()
+    # The temporary file of config.json, written by rank 0 alone at the end of setup, is
+    # a directory: its write fails there.
+    (tmp_path / "config_blocked" / "config.json.tmp").mkdir(parents=True)
+    with open(tmp_path / "locked" / ".lock", "a+") as other:  # another run holds it
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        other.write("pid 4242 on node7\n")
+        other.flush()
+        spawn(_setup_failures_on_rank_0, 2, str(tmp_path))

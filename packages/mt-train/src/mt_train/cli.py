@@ -251,6 +251,7 @@ def _main(argv: list[str] | None) -> int:
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
+    from mt_train.distributed import RankFailedError
     from mt_train.train import NonFiniteError, pretrain
 
     try:
@@ -258,7 +259,7 @@ def _main(argv: list[str] | None) -> int:
     except ValueError as err:
         print(f"mt-train: error: {err}", file=sys.stderr)
         return 2
-    except NonFiniteError as err:
+    except (NonFiniteError, RankFailedError) as err:
         print(f"mt-train: error: {err}", file=sys.stderr)
         return 1
     except RuntimeError as err:

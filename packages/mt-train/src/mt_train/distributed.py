@@ -7,6 +7,7 @@ MASTER_ADDR/PORT) is read here and nowhere else.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -69,3 +70,52 @@ def barrier() -> None:
     """Waits for every rank (no-op in one process)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
+
+
+class RankFailedError(RuntimeError):
+    """Another rank failed in a step of setup that `failing_together` guarded."""
+
+
+def _flag_device() -> torch.device:
+    """Where a collective's tensor must live: the rank's GPU under NCCL, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def failing_together(what: str):
+    """Runs a block that may fail on some ranks only, then every rank learns of it.
+
+    A step that only the main rank performs (creating and locking the run directory,
+    building the default corpus, writing config.json) or that may fail on one node only
+    (a file it lacks) must not leave the other ranks waiting at the next collective until
+    ``parallel.timeout_s``. After the block all ranks all-reduce a failure flag (one
+    one-element all-reduce when nothing failed); when some rank failed, the failed ranks
+    re-raise their own error and the others raise a `RankFailedError` naming the first
+    failed rank and its error. The block itself must hold no collective. Without a
+    process group this is a no-op.
+
+    Args:
+        what: the step, for the others' error ("creating the run directory").
+    """
+    error: Exception | None = None
+    try:
+        yield
+    except Exception as err:  # every rank must reach the all-reduce below
+        error = err
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        failed = torch.tensor(int(error is not None), device=_flag_device())
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if int(failed):
+            reports: list[str | None] = [None] * dist.get_world_size()
+            mine = None if error is None else f"{type(error).__name__}: {error}"
+            dist.all_gather_object(reports, mine)
+            if error is None:
+                rank, report = next((r, m) for r, m in enumerate(reports) if m is not None)
+                raise RankFailedError(
+                    f"rank {rank} failed while {what} ({report}); this rank stops too, "
+                    f"rank {rank}'s output has the details"
+                )
+    if error is not None:
+        raise error

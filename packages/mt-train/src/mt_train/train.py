@@ -47,7 +47,7 @@ from mt_train.checkpoint import (
 )
 from mt_train.config import JobConfig, family_of
 from mt_train.convert import _init_source_kind, init_config_differences, init_from_weights
-from mt_train.distributed import Env, all_reduce, barrier, init_distributed
+from mt_train.distributed import Env, all_reduce, failing_together, init_distributed
 from mt_train.faults import NonFiniteError, agree_to_stop, stop_on_signals, write_exit_file
 from mt_train.metrics import MetricsLogger, build_sinks, peak_flops
 from mt_train.optim import build_optimizer, lr_at, set_lr
@@ -145,29 +145,12 @@ def setup(cfg: JobConfig) -> TrainState:
     if cfg.data.path:
         data_dir = Path(cfg.data.path)
     else:  # one rank builds the embedded corpus, the others wait and read it
-        if env.is_main:
-            default_corpus_dir(on_build=_log_default_corpus_build)
-        barrier()
+        with failing_together("building the default corpus"):
+            if env.is_main:
+                default_corpus_dir(on_build=_log_default_corpus_build)
         data_dir = default_corpus_dir()
-    try:
-        dataset = TokenDataset(
-            data_dir, cfg.data.seq_len, seed=cfg.seed, on_exhausted=cfg.data.on_exhausted
-        )
-    except ValueError as e:
-        raise ValueError(f"data.path: {e}") from None
-    if dataset.vocab_size is not None and dataset.vocab_size > cfg.model.vocab_size:
-        raise ValueError(
-            f"the corpus in {data_dir} uses a vocabulary of {dataset.vocab_size} tokens but "
-            f"model.vocab_size is {cfg.model.vocab_size}; set model.vocab_size>="
-            f"{dataset.vocab_size}"
-        )
-    val_dataset = None
-    if cfg.validation.enabled:  # checked before the model is built
-        try:
-            val_dataset = TokenDataset(cfg.validation.path, cfg.data.seq_len, seed=cfg.seed)
-        except ValueError as e:
-            raise ValueError(f"validation.path: {e}") from None
-        _check_same_tokenization(dataset, data_dir, val_dataset, cfg.validation.path)
+    with failing_together(f"reading the data in {data_dir}"):  # a node may lack a file
+        dataset, val_dataset = _open_datasets(cfg, data_dir)
     with torch.device("meta"):
         model = build_model(cfg.model)
     # FP8 modules replace the linears before FSDP2 wraps them (it records the modules that
@@ -207,15 +190,10 @@ def setup(cfg: JobConfig) -> TrainState:
         ),
         fp8_cache=fp8_cache,
     )
-    if env.is_main:
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:  # a parent is a file, no permission, ...
-            raise ValueError(
-                f"run_dir ({cfg.run_dir!r}) cannot be created ({e}); choose another run_dir"
-            ) from None
-        state.run_lock = _lock_run_dir(run_dir)
     try:
+        with failing_together(f"preparing the run directory {run_dir}"):
+            if env.is_main:
+                state.run_lock = _prepare_run_dir(run_dir)
         _resume_or_start(state, run_dir)
     except BaseException:  # free the run_dir now, not when the traceback is collected
         if state.run_lock is not None:
@@ -225,19 +203,56 @@ def setup(cfg: JobConfig) -> TrainState:
     return state
 
 
+def _open_datasets(cfg: JobConfig, data_dir: Path) -> tuple[TokenDataset, TokenDataset | None]:
+    """The training corpus and, with validation enabled, the held-out one, checked
+    against the model's vocabulary and each other's tokenization."""
+    try:
+        dataset = TokenDataset(
+            data_dir, cfg.data.seq_len, seed=cfg.seed, on_exhausted=cfg.data.on_exhausted
+        )
+    except ValueError as e:
+        raise ValueError(f"data.path: {e}") from None
+    if dataset.vocab_size is not None and dataset.vocab_size > cfg.model.vocab_size:
+        raise ValueError(
+            f"the corpus in {data_dir} uses a vocabulary of {dataset.vocab_size} tokens but "
+            f"model.vocab_size is {cfg.model.vocab_size}; set model.vocab_size>="
+            f"{dataset.vocab_size}"
+        )
+    val_dataset = None
+    if cfg.validation.enabled:  # checked before the model is built
+        try:
+            val_dataset = TokenDataset(cfg.validation.path, cfg.data.seq_len, seed=cfg.seed)
+        except ValueError as e:
+            raise ValueError(f"validation.path: {e}") from None
+        _check_same_tokenization(dataset, data_dir, val_dataset, cfg.validation.path)
+    return dataset, val_dataset
+
+
+def _prepare_run_dir(run_dir: Path) -> TextIO:
+    """Main rank: creates the run directory, locks it (`_lock_run_dir`) and creates its
+    checkpoint directory; returns the open lock."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a parent is a file, no permission, ...
+        raise ValueError(
+            f"run_dir ({str(run_dir)!r}) cannot be created ({e}); choose another run_dir"
+        ) from None
+    lock = _lock_run_dir(run_dir)
+    try:  # now, not at the first save after hours of steps
+        checkpoint_root(run_dir).mkdir(exist_ok=True)
+    except OSError as e:  # a file of that name, no permission, ...
+        lock.close()
+        raise ValueError(
+            f"the checkpoint directory {checkpoint_root(run_dir)} cannot be created "
+            f"({e}); move what is there away or choose another run_dir"
+        ) from None
+    return lock
+
+
 def _resume_or_start(state: TrainState, run_dir: Path) -> None:
     """Resumes from the run_dir's newest checkpoint, else starts from `init_from` or the
     initialized weights; records the run's config (the end of `setup`)."""
     cfg, env, model = state.cfg, state.env, state.model
-    if env.is_main:
-        try:  # now, not at the first save after hours of steps
-            checkpoint_root(run_dir).mkdir(exist_ok=True)
-        except OSError as e:  # a file of that name, no permission, ...
-            raise ValueError(
-                f"the checkpoint directory {checkpoint_root(run_dir)} cannot be created "
-                f"({e}); move what is there away or choose another run_dir"
-            ) from None
-    barrier()
     latest = latest_checkpoint(checkpoint_root(run_dir))
     if latest is not None and not cfg.checkpoint.resume:
         # A fresh run here would mix its checkpoints and metrics with the earlier run's
@@ -262,8 +277,9 @@ def _resume_or_start(state: TrainState, run_dir: Path) -> None:
                 " ".join(_shell_override(f"model.{k}", v[0]) for k, v in differences.items()),
                 ", ".join(f"{k}: {v[0]!r} -> {v[1]!r}" for k, v in differences.items()),
             )
-    if env.is_main:
-        _write_json_atomic(run_dir / "config.json", cfg.to_dict())
+    with failing_together(f"writing {run_dir / 'config.json'}"):
+        if env.is_main:
+            _write_json_atomic(run_dir / "config.json", cfg.to_dict())
 
 
 def _lock_run_dir(run_dir: Path) -> TextIO:
@@ -701,12 +717,15 @@ def _train(state: TrainState, stream: TextIO | None) -> TrainState:
         )
         return state
     metrics = None
-    if state.env.is_main:
-        sinks = build_sinks(
-            cfg.run_dir, cfg.metrics.tensorboard, cfg.metrics.wandb_project, cfg.to_dict(),
-            state.step,
-        )  # fmt: skip
-        metrics = MetricsLogger(cfg.run_dir, max_steps, state.step, cfg.log_every, stream, sinks)
+    with failing_together("opening the metrics sinks"):  # a missing tensorboard, ...
+        if state.env.is_main:
+            sinks = build_sinks(
+                cfg.run_dir, cfg.metrics.tensorboard, cfg.metrics.wandb_project, cfg.to_dict(),
+                state.step,
+            )  # fmt: skip
+            metrics = MetricsLogger(
+                cfg.run_dir, max_steps, state.step, cfg.log_every, stream, sinks
+            )
     last_saved = state.step
     prof = cfg.profile
     profiler = StepProfiler(
