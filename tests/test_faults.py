@@ -26,7 +26,7 @@ import mt_train.train as train_module
 from mt_train.checkpoint import checkpoint_root, list_checkpoints
 from mt_train.overrides import resolve_config
 from mt_train.recipes import get_recipe
-from mt_train.train import NonFiniteError, pretrain
+from mt_train.train import NonFiniteError, pretrain, setup
 
 # On top of the tiny recipe: no warm-up, so the cosine decay starts at step 1 (step 1 runs
 # just below training.lr); the LR is not flat (that takes training.min_lr_ratio=1.0).
@@ -662,3 +662,51 @@ def test_a_setup_failure_of_rank_0_alone_stops_every_rank_at_once_naming_it(tmp_
         other.write("pid 4242 on node7\n")
         other.flush()
         spawn(_setup_failures_on_rank_0, 2, str(tmp_path))
+
+
+def _rng_after_resume(tmp):
+    """Body of the two-rank test below: each rank's RNG state after a resume is its own."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    cfg = _cfg(tmp, "training.max_steps=2", "checkpoint.interval=2")
+    torch.manual_seed(100 + rank)  # the ranks' generators differ, as after rank-wise draws
+    pretrain(cfg)
+    saved = torch.get_rng_state()
+    torch.manual_seed(7)  # a fresh process would have another state
+    state = setup(cfg)
+    state.run_lock and state.run_lock.close()
+    assert state.step == 2
+    assert torch.equal(torch.get_rng_state(), saved), f"rank {rank} resumed another's RNG"
+    states = [None, None]
+    dist.all_gather_object(states, saved)
+    assert not torch.equal(states[0], states[1]), "the ranks' saved states are equal"
+    if rank == 0:
+        torch.save(states, Path(tmp) / "rng_states.pt")
+
+
+def test_each_rank_resumes_its_own_rng_state_and_other_rank_counts_resume_too(
+    tmp_path, monkeypatch
+):
+    from mt_parallel.testing import spawn
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
+    spawn(_rng_after_resume, 2, str(tmp_path))
+    rank_states = torch.load(tmp_path / "rng_states.pt")
+    cfg = _cfg(tmp_path, "training.max_steps=2")
+    # One process: rank 0's state.
+    torch.manual_seed(7)
+    state = setup(cfg)
+    state.run_lock.close()
+    assert torch.equal(torch.get_rng_state(), rank_states[0])
+    # A rank the checkpoint has no state for (a resume on more ranks) gets a seed derived
+    # from the step and its rank: the same each time, other than every saved rank's.
+    monkeypatch.setattr(checkpoint_module, "_rank", lambda: 2)
+    derived = []
+    for seed in (7, 8):
+        torch.manual_seed(seed)
+        state = setup(cfg)
+        state.run_lock.close()
+        derived.append(torch.get_rng_state())
+    assert torch.equal(derived[0], derived[1])
+    assert not any(torch.equal(derived[0], s) for s in rank_states)

@@ -12,10 +12,11 @@ Layout of a run directory::
 Tensor keys are the Hugging Face parameter names, one key per expert
 (``model/<hf key>``, ``optim/<hf key>/exp_avg``, ``optim/<hf key>/exp_avg_sq``), so a
 checkpoint does not depend on how parameters are stacked or sharded; beside them are
-``optim/step`` (AdamW's step count) and the RNG states ``rng/cpu`` and, with CUDA,
-``rng/cuda``. The whole checkpoint is written into a temporary directory that is renamed
-when complete: a crash in the middle of a save leaves the previous checkpoint as the newest
-complete one. Saving a step that already has a checkpoint (a resumed run that redoes
+``optim/step`` (AdamW's step count) and each rank's RNG states ``rng/cpu/rank_<r>`` and,
+with CUDA, ``rng/cuda/rank_<r>`` (`_restore_rng` says what a resume on other ranks gets).
+The whole checkpoint is written into a temporary directory that is renamed when complete:
+a crash in the middle of a save leaves the previous checkpoint as the newest complete one.
+Saving a step that already has a checkpoint (a resumed run that redoes
 steps) moves the old one aside as ``.replaced-step_N`` before the new one takes its name,
 and deletes it only then; a crash between the two renames leaves the old one, which
 `list_checkpoints` lists as step N and the next save puts back.
@@ -23,6 +24,7 @@ and deletes it only then; a crash between the two renames leaves the old one, wh
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -213,13 +215,49 @@ class _Tensors:
         if steps:
             assert all(torch.equal(s, steps[0]) for s in steps), "optimizer steps differ"
             self.tensors["optim/step"] = steps[0].detach().clone()
-        self.tensors["rng/cpu"] = torch.get_rng_state()
+        # Each rank's own generators: one shared key would give every rank one rank's.
+        self.tensors[f"rng/cpu/rank_{_rank()}"] = torch.get_rng_state()
         if torch.cuda.is_available():
-            self.tensors["rng/cuda"] = torch.cuda.get_rng_state()
+            self.tensors[f"rng/cuda/rank_{_rank()}"] = torch.cuda.get_rng_state()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _is_main() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
+    return _rank() == 0
+
+
+def _match_rng_keys(tensors: dict[str, torch.Tensor], saved: dict) -> None:
+    """Points this rank's RNG keys in `tensors` at what the checkpoint holds for it: its
+    own ``rng/<device>/rank_<r>``, else the one shared ``rng/<device>`` of checkpoints
+    written before per-rank states, else nothing (the key is dropped)."""
+    for key in [k for k in tensors if k.startswith("rng/")]:
+        shared = key.rsplit("/", 1)[0]  # rng/cpu/rank_3 -> rng/cpu
+        if key not in saved:
+            value = tensors.pop(key)
+            if shared in saved:
+                tensors[shared] = value
+
+
+def _restore_rng(tensors: dict[str, torch.Tensor], step: int) -> None:
+    """Sets this rank's generators from the loaded `tensors` (see `_match_rng_keys`).
+
+    A rank the checkpoint holds no state for (a resume on more ranks than saved it) seeds
+    them with a number derived from the step and its rank: deterministic, and different
+    per rank. A resume on fewer ranks leaves the states of the ranks beyond unused.
+    """
+    generators = [("cpu", torch.set_rng_state, torch.manual_seed)]
+    if torch.cuda.is_available():
+        generators.append(("cuda", torch.cuda.set_rng_state, torch.cuda.manual_seed))
+    for device, set_state, seed in generators:
+        state = tensors.get(f"rng/{device}/rank_{_rank()}", tensors.get(f"rng/{device}"))
+        if state is not None:
+            set_state(state)
+        else:
+            digest = hashlib.sha256(f"rng step {step} rank {_rank()}".encode()).digest()
+            seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
 def _barrier() -> None:
@@ -455,9 +493,7 @@ def load_checkpoint(
         for state in optimizer.state.values():
             if state:
                 state["step"].copy_(tensors["optim/step"])
-    torch.set_rng_state(tensors["rng/cpu"])
-    if "rng/cuda" in tensors:
-        torch.cuda.set_rng_state(tensors["rng/cuda"])
+    _restore_rng(tensors, checkpoint.step)
     return checkpoint.train_state()
 
 
@@ -510,8 +546,7 @@ def _check_and_load(
     with reading_checkpoint(path, damaged_fix):
         metadata = dcp.FileSystemReader(path).read_metadata()
     saved = metadata.state_dict_metadata
-    if "rng/cuda" in tensors and "rng/cuda" not in saved:
-        del tensors["rng/cuda"]
+    _match_rng_keys(tensors, saved)
     # Every rank's keys and first mismatch are gathered before anyone raises: under expert
     # parallelism a mismatch can be in some ranks' experts only, and a rank raising alone
     # would leave the others waiting in a collective. Each rank then raises the same error.
