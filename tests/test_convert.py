@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -144,6 +145,27 @@ def test_mt_to_hf_fills_an_empty_out_and_leaves_no_temporary_directory(tmp_path,
         "config.json", "model.safetensors", "tokenizer.json"
     ]
     assert _siblings(out) == ["back"]
+
+
+def test_both_conversions_flush_every_file_and_the_rename(tmp_path, mt_checkpoint, monkeypatch):
+    # A power loss after the call returns must find every file whole under --out: each
+    # file and directory is fsynced before the rename, and the rename (its parent) after.
+    synced = []
+    real_fsync = convert.os.fsync
+
+    def recording_fsync(fd):
+        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    monkeypatch.setattr(convert.os, "fsync", recording_fsync)
+    hf = mt_to_hf(mt_checkpoint, tmp_path / "hf", max_shard_size=40_000)
+    hf_synced, synced[:] = list(synced), []
+    mt = convert.hf_to_mt(hf, tmp_path / "mt")
+    for out, done in ((hf, hf_synced), (mt, synced)):
+        tmp = out.with_name(f".tmp-{out.name}")
+        for path in [out, *out.rglob("*")]:
+            assert tmp / path.relative_to(out) in done, f"{path} was not fsynced"
+        assert done[-1] == out.parent, f"{out}: the rename was not fsynced after it"
 
 
 def test_mt_to_hf_failing_on_the_second_shard_leaves_no_out_and_no_temporary(

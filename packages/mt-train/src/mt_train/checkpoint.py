@@ -302,6 +302,32 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _fsync_tree(path: Path) -> None:
+    """Flushes every file under `path`, then every directory (`path` last), to disk: what a
+    temporary directory needs before it is renamed into place, so a power loss after the
+    rename cannot leave it with empty or missing files."""
+    directories = []
+    for entry in sorted(path.rglob("*")):
+        if entry.is_dir():
+            directories.append(entry)
+        else:
+            fd = os.open(entry, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    for directory in [*reversed(directories), path]:
+        _fsync_dir(directory)
+
+
+def _rename_durably(src: Path, dst: Path) -> None:
+    """Renames the complete directory `src` to `dst` with both on disk: `src`'s files
+    before, the rename (their parent directory) after."""
+    _fsync_tree(src)
+    os.rename(src, dst)
+    _fsync_dir(dst.parent)
+
+
 def _clear_leftovers(root: Path) -> None:
     """Before a save (main rank): removes what saves that crashed left in `root`.
 

@@ -11,7 +11,9 @@ not a checkpoint to resume (no optimizer or data state). ``mt-to-hf`` accepts ei
 and writes the tensors in their stored dtype (FP32 for a training checkpoint).
 Conversion goes through `mt_models.load_hf` / `save_hf`'s writer, so keys and GPT-OSS's
 stacked expert layout are theirs; MXFP4 originals come back dequantized. Both directions
-write beside ``--out`` and rename when complete, so a failure leaves no partial ``--out``.
+write beside ``--out`` and rename when complete, so a failure leaves no partial ``--out``;
+the files are flushed to disk before the rename and the rename after it (a power loss
+leaves no ``--out`` with empty files).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from mt_models.configs import TRAINING_ONLY_FIELDS
 from mt_models.hf_config import config_from_hf
 from mt_train.checkpoint import (
     FORMAT_VERSION,
+    _rename_durably,
     check_format_version,
     checkpoint_root,
     latest_checkpoint,
@@ -203,7 +206,7 @@ def hf_to_mt(hf_dir: str | Path, out_dir: str | Path) -> Path:
         _copy_tokenizer_files(hf_dir, tmp)
         if out_dir.exists():
             out_dir.rmdir()  # empty, checked above
-        os.rename(tmp, out_dir)
+        _rename_durably(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # a whole model's worth of bytes
         raise
@@ -316,7 +319,7 @@ def mt_to_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: int = 
         _add_special_token_ids(tmp)
         if out_dir.exists():
             out_dir.rmdir()  # empty, checked above
-        os.rename(tmp, out_dir)
+        _rename_durably(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
