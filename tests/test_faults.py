@@ -710,3 +710,37 @@ def test_each_rank_resumes_its_own_rng_state_and_other_rank_counts_resume_too(
         derived.append(torch.get_rng_state())
     assert torch.equal(derived[0], derived[1])
     assert not any(torch.equal(derived[0], s) for s in rank_states)
+
+
+def _save_failing_on_rank_0(tmp):
+    """Body of the two-rank test below: rank 0 fails to complete a checkpoint."""
+    import time
+
+    import torch.distributed as dist
+
+    from mt_train.distributed import RankFailedError
+
+    rank = dist.get_rank()
+    if rank == 0:  # the steps of completing a save that rank 0 does alone
+
+        def disk_gone(path):
+            raise OSError(f"disk gone under {path}")
+
+        checkpoint_module._fsync_dir = disk_gone
+    cfg = _cfg(tmp, "training.max_steps=2", "checkpoint.interval=1", "parallel.timeout_s=60")
+    start = time.monotonic()
+    with pytest.raises(Exception) as raised:  # noqa: PT011 - the type depends on the rank
+        pretrain(cfg)
+    elapsed = time.monotonic() - start
+    assert isinstance(raised.value, OSError if rank == 0 else RankFailedError), raised.value
+    assert "disk gone under" in str(raised.value)
+    assert elapsed < 30, f"rank {rank} took {elapsed:.0f} s to give up"
+    dist.barrier()
+
+
+def test_a_checkpoint_that_rank_0_fails_to_complete_stops_every_rank_at_once(tmp_path, monkeypatch):
+    from mt_parallel.testing import spawn
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
+    spawn(_save_failing_on_rank_0, 2, str(tmp_path))
+    assert _steps(tmp_path) == [], "no checkpoint was completed"

@@ -41,6 +41,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from mt_train.distributed import failing_together
+
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _REPLACED = ".replaced-"  # prefix of a step's checkpoint while it is saved again
@@ -390,9 +392,9 @@ def save_checkpoint(
     """
     root = Path(root)
     tmp = root / f".tmp-step_{step:08d}"
-    if _is_main():
-        _clear_leftovers(root)
-    _barrier()
+    with failing_together(f"clearing what crashed saves left in {root}"):
+        if _is_main():
+            _clear_leftovers(root)
     tensors = _Tensors(model, optimizer).tensors
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -406,21 +408,22 @@ def _finalize(root: Path, step: int, train_state: dict[str, Any], keep_last: int
     final = root / f"step_{step:08d}"
     tmp = root / f".tmp-step_{step:08d}"
     _barrier()  # every rank's files are written
-    if _is_main():
-        state = {"format_version": FORMAT_VERSION, "step": step, **train_state}
-        with open(tmp / _STATE_FILE, "w") as f:
-            json.dump(state, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        if final.exists():  # saving the same step again
-            _replace_checkpoint(tmp, final)
-        else:
-            os.rename(tmp, final)
-            _fsync_dir(root)
-        for old in list_checkpoints(root)[:-keep_last]:
-            _delete_checkpoint(old.path)
-    _barrier()
+    # Rank 0 alone completes it; the others must not wait for it past its failure.
+    with failing_together(f"completing checkpoint {final}"):
+        if _is_main():
+            state = {"format_version": FORMAT_VERSION, "step": step, **train_state}
+            with open(tmp / _STATE_FILE, "w") as f:
+                json.dump(state, f, indent=2)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_dir(tmp)
+            if final.exists():  # saving the same step again
+                _replace_checkpoint(tmp, final)
+            else:
+                os.rename(tmp, final)
+                _fsync_dir(root)
+            for old in list_checkpoints(root)[:-keep_last]:
+                _delete_checkpoint(old.path)
     return Checkpoint(path=final, step=step)
 
 
@@ -457,9 +460,9 @@ class AsyncCheckpointer:
         self.wait()
         if dist.is_initialized() and self._group is None:
             self._group = dist.new_group(backend="gloo")
-        if _is_main():
-            _clear_leftovers(self.root)
-        _barrier()
+        with failing_together(f"clearing what crashed saves left in {self.root}"):
+            if _is_main():
+                _clear_leftovers(self.root)
         tensors = _Tensors(model, optimizer).tensors
         tmp = self.root / f".tmp-step_{step:08d}"
         with warnings.catch_warnings():
