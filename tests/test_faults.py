@@ -744,3 +744,42 @@ def test_a_checkpoint_that_rank_0_fails_to_complete_stops_every_rank_at_once(tmp
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
     spawn(_save_failing_on_rank_0, 2, str(tmp_path))
     assert _steps(tmp_path) == [], "no checkpoint was completed"
+
+
+def _metrics_failing_on_rank_0(tmp):
+    """Body of the two-rank test below: rank 0's metrics write fails at step 2."""
+    import time
+
+    import torch.distributed as dist
+
+    from mt_train.distributed import RankFailedError
+    from mt_train.metrics import MetricsLogger
+
+    rank = dist.get_rank()
+    if rank == 0:
+        real_log = MetricsLogger.log
+
+        def log_until_the_disk_fills(self, step_metrics):
+            if step_metrics["step"] == 2:
+                raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+            real_log(self, step_metrics)
+
+        MetricsLogger.log = log_until_the_disk_fills
+    cfg = _cfg(tmp, "training.max_steps=4", "checkpoint.interval=0", "parallel.timeout_s=20")
+    start = time.monotonic()
+    with pytest.raises(Exception) as raised:  # noqa: PT011 - the type depends on the rank
+        pretrain(cfg)
+    elapsed = time.monotonic() - start
+    assert isinstance(raised.value, OSError if rank == 0 else RankFailedError), raised.value
+    assert "No space left on device (simulated)" in str(raised.value)
+    assert elapsed < 15, f"rank {rank} took {elapsed:.0f} s to give up"
+    dist.barrier()
+
+
+def test_a_metrics_write_that_fails_on_rank_0_mid_run_stops_every_rank_at_that_step(
+    tmp_path, monkeypatch
+):
+    from mt_parallel.testing import spawn
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
+    spawn(_metrics_failing_on_rank_0, 2, str(tmp_path))

@@ -108,14 +108,28 @@ def failing_together(what: str):
         failed = torch.tensor(int(error is not None), device=_flag_device())
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
         if int(failed):
-            reports: list[str | None] = [None] * dist.get_world_size()
-            mine = None if error is None else f"{type(error).__name__}: {error}"
-            dist.all_gather_object(reports, mine)
-            if error is None:
-                rank, report = next((r, m) for r, m in enumerate(reports) if m is not None)
-                raise RankFailedError(
-                    f"rank {rank} failed while {what} ({report}); this rank stops too, "
-                    f"rank {rank}'s output has the details"
-                )
+            share_failure(error, what)
     if error is not None:
         raise error
+
+
+def share_failure(error: Exception | None, what: str) -> None:
+    """Raises on every rank once all ranks know that some rank failed (every rank calls it).
+
+    A failed rank re-raises its `error`; the others raise a `RankFailedError` naming the
+    first failed rank and its error (the ranks exchange the messages here).
+
+    Args:
+        error: this rank's error, or None.
+        what: the step, for the others' error ("creating the run directory").
+    """
+    reports: list[str | None] = [None] * dist.get_world_size()
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    dist.all_gather_object(reports, mine)
+    if error is not None:
+        raise error
+    rank, report = next((r, m) for r, m in enumerate(reports) if m is not None)
+    raise RankFailedError(
+        f"rank {rank} failed while {what} ({report}); this rank stops too, "
+        f"rank {rank}'s output has the details"
+    )

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from mt_train.distributed import all_reduce
+from mt_train.distributed import all_reduce, share_failure
 
 log = logging.getLogger("mt_train")
 # Signals that ask for a save and a clean exit: SIGUSR1 is what SLURM sends early
@@ -85,14 +85,25 @@ def write_exit_file(state) -> None:
         os.replace(tmp, path)
 
 
-def agree_to_stop(state) -> bool:
+def agree_to_stop(state, failure: Exception | None = None) -> bool:
     """All ranks stop at the same step boundary if any of them received a signal.
+
+    A `failure` of this rank's own work since the last boundary (rank 0's metrics write)
+    rides on the same all-reduce: then every rank raises (`share_failure`), instead of
+    the others running into the next step's collectives and waiting there until
+    ``parallel.timeout_s``.
 
     Args:
         state: the loop state.
+        failure: what this rank's step work raised, if anything.
 
     Returns:
         True when some rank has `signal_received` set.
     """
-    flag = torch.tensor(int(state.signal_received), device=state.device)
-    return bool(all_reduce(flag, op="max"))
+    flag = 2 if failure is not None else int(state.signal_received)
+    agreed = int(all_reduce(torch.tensor(flag, device=state.device), op="max"))
+    if agreed == 2:
+        if state.env.world_size == 1:
+            raise failure
+        share_failure(failure, f"finishing step {state.step}")
+    return bool(agreed)

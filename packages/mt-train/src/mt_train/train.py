@@ -771,9 +771,13 @@ def _train(state: TrainState, stream: TextIO | None) -> TrainState:
                 val = cfg.validation
                 if val.enabled and (state.step % val.interval == 0 or state.step == max_steps):
                     step_metrics["val_loss"] = validate(state)
-                if metrics is not None:
-                    metrics.log(step_metrics)
-                state.stop_requested = agree_to_stop(state)
+                failure = None
+                try:  # rank 0 alone: its failure must reach the others (agree_to_stop)
+                    if metrics is not None:
+                        metrics.log(step_metrics)
+                except Exception as err:
+                    failure = err
+                state.stop_requested = agree_to_stop(state, failure)
                 _finish_written_save(state, writer)
                 interval = cfg.checkpoint.interval
                 if interval and state.step % interval == 0:
