@@ -683,6 +683,7 @@ def _rng_after_resume(tmp):
     assert not torch.equal(states[0], states[1]), "the ranks' saved states are equal"
     if rank == 0:
         torch.save(states, Path(tmp) / "rng_states.pt")
+    dist.barrier()  # both ranks tear down together (gloo can abort on a peer gone early)
 
 
 def test_each_rank_resumes_its_own_rng_state_and_other_rank_counts_resume_too(
