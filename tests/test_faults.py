@@ -784,3 +784,23 @@ def test_a_metrics_write_that_fails_on_rank_0_mid_run_stops_every_rank_at_that_s
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
     spawn(_metrics_failing_on_rank_0, 2, str(tmp_path))
+
+
+def test_a_checkpoint_with_the_shared_rng_key_of_older_versions_still_resumes_it(tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+
+    pretrain(_cfg(tmp_path, "training.max_steps=1"))
+    (checkpoint,) = list_checkpoints(checkpoint_root(tmp_path))
+    whole = tmp_path / "whole.pt"
+    dcp_to_torch_save(checkpoint.path, whole)
+    tensors = torch.load(whole)
+    saved = tensors.pop("rng/cpu/rank_0")
+    tensors["rng/cpu"] = saved  # the one key every rank wrote before per-rank states
+    torch.save(tensors, whole)
+    for stale in [*checkpoint.path.glob("*.distcp"), checkpoint.path / ".metadata"]:
+        stale.unlink()
+    torch_save_to_dcp(whole, checkpoint.path)
+    torch.manual_seed(7)
+    state = setup(_cfg(tmp_path, "training.max_steps=2"))
+    state.run_lock.close()
+    assert state.step == 1 and torch.equal(torch.get_rng_state(), saved)
