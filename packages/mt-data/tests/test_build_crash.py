@@ -114,6 +114,20 @@ def _second_build(inputs, output):
     return threading.Thread(target=run), errors
 
 
+def _first_build(inputs, output, first_is_done, second) -> None:
+    """Runs the first of two unlocked builds into `output`, then lets the second (waiting
+    on `first_is_done`) finish."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "cannot lock the directory", from both builds
+        try:
+            _build(inputs, output)
+        finally:
+            first_is_done.set()
+            second.join(30)
+
+
 def test_without_a_lock_only_partial_files_untouched_for_an_hour_are_removed(tmp_path, monkeypatch):
     import errno
 
@@ -214,7 +228,6 @@ def test_parquet_inputs_without_pyarrow_are_refused_before_any_shard_is_built(
 
 def test_two_builds_without_a_lock_never_leave_a_wrong_shard(tmp_path, monkeypatch):
     import threading
-    import warnings
 
     import mt_data.sources as sources
     from mt_data.indexed import IndexedDatasetWriter
@@ -245,13 +258,7 @@ def test_two_builds_without_a_lock_never_leave_a_wrong_shard(tmp_path, monkeypat
 
     monkeypatch.setattr(IndexedDatasetWriter, "add_documents", paused_add_documents)
     monkeypatch.setattr(IndexedDatasetWriter, "finalize", finalize_while_the_second_writes)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "cannot lock the directory", from both builds
-        try:
-            _build([a], tmp_path / "out")
-        finally:
-            first_is_done.set()
-            second.join(30)
+    _first_build([a], tmp_path / "out", first_is_done, second)
     files = _files(tmp_path / "out")
     assert {name: files.get(name) for name in ("a.bin", "a.idx")} == {
         name: expected[name] for name in ("a.bin", "a.idx")
@@ -262,7 +269,6 @@ def test_two_builds_without_a_lock_never_leave_a_wrong_shard(tmp_path, monkeypat
 
 def test_two_builds_without_a_lock_writing_the_manifest_at_once_both_succeed(tmp_path, monkeypatch):
     import threading
-    import warnings
 
     import mt_data.manifest as manifest_module
 
@@ -288,13 +294,7 @@ def test_two_builds_without_a_lock_writing_the_manifest_at_once_both_succeed(tmp
         dump(data, f, **kwargs)
 
     monkeypatch.setattr(manifest_module.json, "dump", paused_dump)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "cannot lock the directory", from both builds
-        try:
-            _build([a], tmp_path / "out")
-        finally:
-            first_is_done.set()
-            second.join(30)
+    _first_build([a], tmp_path / "out", first_is_done, second)
     assert not errors, errors
     assert _files(tmp_path / "out") == expected
 
