@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 
 import mt_train.checkpoint as checkpoint_module
 import mt_train.train as train_module
+from mt_parallel.testing import spawn
 from mt_train.checkpoint import checkpoint_root, list_checkpoints
 from mt_train.overrides import resolve_config
 from mt_train.recipes import get_recipe
@@ -617,36 +618,6 @@ def test_a_checkpoint_of_a_newer_or_unknown_format_version_is_refused_naming_it(
         assert checkpoint.train_state()["format_version"] == version
 
 
-def _checked_rank(fn, tmp):
-    """Runs a two-rank test body, then records that this rank's checks passed."""
-    import torch.distributed as dist
-
-    fn(tmp)
-    marker = Path(tmp) / ".ranks-passed" / str(dist.get_rank())
-    marker.parent.mkdir(exist_ok=True)
-    marker.touch()
-
-
-def _spawn_two_ranks(fn, tmp):
-    """`spawn(fn, 2, tmp)` for bodies that make pretrain fail on purpose.
-
-    After such a failure gloo sometimes aborts a rank at teardown ("terminate called
-    without an active exception", SIGABRT; about 1 run in 8 here), after its checks have
-    passed. So the checks leave a marker per rank, and a SIGABRT with both markers there
-    counts as passed; any other failure, or a rank without its marker, fails the test.
-    """
-    from torch.multiprocessing import ProcessExitedException
-
-    from mt_parallel.testing import spawn
-
-    try:
-        spawn(_checked_rank, 2, fn, tmp)
-    except ProcessExitedException as err:
-        passed = [(Path(tmp) / ".ranks-passed" / str(rank)).exists() for rank in range(2)]
-        if err.signal_name != "SIGABRT" or not all(passed):
-            raise
-
-
 def _setup_failures_on_rank_0(tmp):
     """Body of the two-rank test below: each of rank 0's own setup steps fails in turn."""
     import time
@@ -690,7 +661,7 @@ def test_a_setup_failure_of_rank_0_alone_stops_every_rank_at_once_naming_it(tmp_
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
         other.write("pid 4242 on node7\n")
         other.flush()
-        _spawn_two_ranks(_setup_failures_on_rank_0, str(tmp_path))
+        spawn(_setup_failures_on_rank_0, 2, str(tmp_path))
 
 
 def _rng_after_resume(tmp):
@@ -720,7 +691,7 @@ def test_each_rank_resumes_its_own_rng_state_and_other_rank_counts_resume_too(
 ):
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
-    _spawn_two_ranks(_rng_after_resume, str(tmp_path))
+    spawn(_rng_after_resume, 2, str(tmp_path))
     rank_states = torch.load(tmp_path / "rng_states.pt")
     cfg = _cfg(tmp_path, "training.max_steps=2")
     # One process: rank 0's state.
@@ -770,7 +741,7 @@ def _save_failing_on_rank_0(tmp):
 def test_a_checkpoint_that_rank_0_fails_to_complete_stops_every_rank_at_once(tmp_path, monkeypatch):
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
-    _spawn_two_ranks(_save_failing_on_rank_0, str(tmp_path))
+    spawn(_save_failing_on_rank_0, 2, str(tmp_path))
     assert _steps(tmp_path) == [], "no checkpoint was completed"
 
 
@@ -809,7 +780,7 @@ def test_a_metrics_write_that_fails_on_rank_0_mid_run_stops_every_rank_at_that_s
 ):
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
-    _spawn_two_ranks(_metrics_failing_on_rank_0, str(tmp_path))
+    spawn(_metrics_failing_on_rank_0, 2, str(tmp_path))
 
 
 def test_a_checkpoint_with_the_shared_rng_key_of_older_versions_still_resumes_it(tmp_path):
