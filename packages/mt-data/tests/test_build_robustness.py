@@ -478,3 +478,35 @@ def test_a_number_too_long_for_int_in_another_field_does_not_stop_the_build(tmp_
     ]
     shard = IndexedDataset(tmp_path / "out" / "big")
     assert [shard[i].tolist() for i in range(len(shard))] == _expected(tokenizer, ["a", "b", "c"])
+
+
+@pytest.mark.parametrize("where", ["opening the index", "after the writer, before the shard"])
+def test_an_interrupt_while_a_shard_is_opened_leaves_no_temporaries(tmp_path, monkeypatch, where):
+    # Ctrl-C can land between any two bytecodes: while the writer creates its files, or
+    # after it returned and before the build holds it (CI saw `in.idx.tmp` left).
+    import builtins
+
+    import mt_data.build as build
+
+    path = _write_jsonl(tmp_path / "in.jsonl", _documents(50))
+    if where == "opening the index":
+        real_open = builtins.open
+
+        def interrupted_open(file, mode="r", *args, **kwargs):
+            f = real_open(file, mode, *args, **kwargs)
+            if str(file).endswith(".idx.tmp"):
+                f.close()
+                raise KeyboardInterrupt  # the file exists, the writer never got it
+            return f
+
+        monkeypatch.setattr(builtins, "open", interrupted_open)
+    else:
+
+        def interrupted(*args, **kwargs):
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(build, "_OpenShard", interrupted)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        build_corpus([path], default_tokenizer_path(), out, workers=0, progress=False)
+    assert sorted(p.name for p in out.glob("*") if ".tmp" in p.name) == []

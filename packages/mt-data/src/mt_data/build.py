@@ -390,15 +390,19 @@ def _run_jobs(
     pending: deque[tuple[int, Any]] = deque()
     summaries: list[ShardSummary] = []
     current: _OpenShard | None = None
+    # The shard whose temporaries may exist: set before its writer creates them, so that
+    # a Ctrl-C before `current` holds the writer still finds them.
+    opening: Path | None = None
     dtype = token_dtype(tokenizer.vocab_size)
     sources: dict[int, dict[str, Any]] = {}  # input fingerprints, taken as reading starts
 
     def handle(index: int, value: Any) -> None:
-        nonlocal current
+        nonlocal current, opening
         path, prefix = jobs[index]
         if current is None:
             progress.describe(prefix.name)
             _remove_old_index(prefix)
+            opening = prefix
             summary = ShardSummary(name=prefix.name, input=str(path))
             writer = IndexedDatasetWriter(prefix, dtype, temp_suffix=temp_suffix)
             current = _OpenShard(
@@ -406,7 +410,7 @@ def _run_jobs(
             )
         if value is None:
             summaries.append(current.finish())
-            current = None
+            current = opening = None
         else:
             current.add(value.result() if isinstance(value, Future) else value, progress)
 
@@ -429,9 +433,18 @@ def _run_jobs(
         with _sigint_held() if executor is not None else nullcontext():
             if current is not None:
                 current.writer.abort()
+            if opening is not None:
+                _remove_shard_temporaries(opening, temp_suffix)
             if executor is not None:
                 executor.shutdown(wait=True, cancel_futures=True)
     return summaries
+
+
+def _remove_shard_temporaries(prefix: Path, temp_suffix: str) -> None:
+    """Delete the temporaries of shard `prefix` that this build names with `temp_suffix`."""
+    for name in (f"{prefix.name}.bin", f"{prefix.name}.idx"):
+        (prefix.parent / (name + temp_suffix)).unlink(missing_ok=True)
+    (prefix.parent / RECORD_DIR / f"{prefix.name}.json{temp_suffix}").unlink(missing_ok=True)
 
 
 def build_corpus(

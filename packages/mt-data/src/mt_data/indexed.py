@@ -188,9 +188,10 @@ class IndexedDatasetWriter:
         self._bin_file = open(self._bin_tmp, "wb")  # noqa: SIM115 (closed in finalize/abort)
         try:
             self._idx_file = open(self._idx_tmp, "w+b")  # noqa: SIM115 (closed in finalize/abort)
-        except BaseException:  # out of file descriptors, say: leave no .bin.tmp behind
+        except BaseException:  # out of file descriptors, or Ctrl-C once the file exists
             self._bin_file.close()
             self._bin_tmp.unlink(missing_ok=True)
+            self._idx_tmp.unlink(missing_ok=True)
             raise
         try:
             with naming_file(self._idx_tmp):
