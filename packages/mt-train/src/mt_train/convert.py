@@ -124,7 +124,7 @@ def training_tokenizer(checkpoint: str | Path) -> Path | None:
             other tokenizer would silently turn the model's ids into other text.
     """
     checkpoint = Path(checkpoint)
-    _mt_checkpoint_config(checkpoint)  # not a checkpoint, or a damaged one: named
+    checkpoint_model_config(checkpoint)  # not a checkpoint, or a damaged one: named
     if (checkpoint / "tokenizer.json").is_file():
         return checkpoint / "tokenizer.json"
     state = json.loads((checkpoint / _STATE_FILE).read_text())
@@ -227,7 +227,7 @@ def read_mt_checkpoint(path: str | Path) -> tuple[Any, dict[str, torch.Tensor]]:
         (model config, Hub key → whole tensor in its stored dtype).
     """
     path = Path(path)
-    model_config = _mt_checkpoint_config(path)
+    model_config = checkpoint_model_config(path)
     with reading_checkpoint(path, _OTHER_CHECKPOINT):
         metadata = dcp.FileSystemReader(path).read_metadata()
     tensors = {}
@@ -252,8 +252,14 @@ def _refuse_a_run_dir(path: Path, given: str) -> None:
             )
 
 
-def _mt_checkpoint_config(path: Path) -> Any:
-    """The model config of a complete mt checkpoint (from its ``train_state.json``)."""
+def checkpoint_model_config(path: Path) -> Any:
+    """The model config of a complete mt checkpoint (from its ``train_state.json``),
+    without reading its weights.
+
+    Raises:
+        ValueError: If `path` is not a complete checkpoint (a run directory is named as
+            such, with its newest checkpoint), or its config cannot be built.
+    """
     if not (path / ".metadata").is_file() or not (path / _STATE_FILE).is_file():
         _refuse_a_run_dir(path, "")
         raise ValueError(
@@ -414,7 +420,7 @@ def read_init_config(path: str | Path) -> Any:
             return config_from_hf(json.loads((path / "config.json").read_text()))
         except ValueError as err:
             raise ValueError(f"{path / 'config.json'}: {err}") from None
-    return _mt_checkpoint_config(path)
+    return checkpoint_model_config(path)
 
 
 def init_from_weights(model: torch.nn.Module, path: str | Path) -> Any:
@@ -434,7 +440,7 @@ def init_from_weights(model: torch.nn.Module, path: str | Path) -> Any:
     path = Path(path)
     if _init_source_kind(path) == "hf":
         return load_hf_into(model, path)
-    config = _mt_checkpoint_config(path)
+    config = checkpoint_model_config(path)
     load_model_weights(path, model)
     return config
 

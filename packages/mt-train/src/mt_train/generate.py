@@ -18,7 +18,7 @@ import torch
 from mt_data import default_tokenizer_path
 from mt_data.tokenizer import load_tokenizer
 from mt_models import MODEL_FAMILIES
-from mt_train.convert import _mt_checkpoint_config, read_mt_checkpoint, training_tokenizer
+from mt_train.convert import checkpoint_model_config, read_mt_checkpoint, training_tokenizer
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -122,7 +122,7 @@ def generate(
     checkpoint = Path(checkpoint)
     tokenizer_path = training_tokenizer(checkpoint) or default_tokenizer_path()
     # The prompt is checked against the config's vocabulary before the weights are read.
-    vocab_size = _mt_checkpoint_config(checkpoint).vocab_size
+    vocab_size = checkpoint_model_config(checkpoint).vocab_size
     tokenizer = load_tokenizer(tokenizer_path)
     ids = encode_prompt(tokenizer.tokenizer, prompt)
     if not ids:
