@@ -158,6 +158,9 @@ def test_ctrl_c_while_workers_start_exits_130_with_one_message_and_no_worker_tra
     process = subprocess.Popen(
         _cli_build([path], out, "--workers", "2", "--no-progress"),
         start_new_session=True,
+        # A shell's background job (`pytest &`, nohup) ignores SIGINT, and so would the
+        # build it starts; a terminal's Ctrl-C reaches a build that handles it.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
