@@ -316,3 +316,27 @@ def test_a_file_system_that_cannot_fsync_a_directory_still_builds(tmp_path, monk
     a = _write_jsonl(tmp_path / "in" / "a.jsonl", ["x = 1"])
     summary = _build([a], tmp_path / "out")
     assert summary.num_documents == 1 and (tmp_path / "out" / "manifest.json").is_file()
+
+
+def test_a_running_unlocked_build_keeps_its_temporaries_out_of_the_stale_clean_up(tmp_path):
+    # A build without flock removes others' temporaries untouched for an hour. A writer's
+    # batches sat in its files' buffers (st_blksize: 1-4 MiB on NFS and Lustre, a million
+    # document lengths in the .idx), so a shard being written could look an hour old and
+    # lose its .idx.<pid>-<random>.tmp to a second build; the first then failed to rename it.
+    import numpy as np
+
+    from mt_data.build import remove_partial_files
+    from mt_data.indexed import IndexedDataset, IndexedDatasetWriter
+
+    suffix = ".4242-0a1b2c3d.tmp"
+    writer = IndexedDatasetWriter(tmp_path / "a", np.uint16, temp_suffix=suffix)
+    writer.add_documents(np.array([5, 6, 7], np.uint16), np.array([2, 1]))
+    temporaries = [tmp_path / f"a.bin{suffix}", tmp_path / f"a.idx{suffix}"]
+    then = time.time() - 2 * 3600  # as if the first batch was written two hours ago
+    for path in temporaries:
+        os.utime(path, (then, then))
+    writer.add_documents(np.array([8], np.uint16), np.array([1]))  # the batch written now
+    assert remove_partial_files(tmp_path, older_than=3600) == []
+    writer.finalize()
+    shard = IndexedDataset(tmp_path / "a")
+    assert [shard[i].tolist() for i in range(len(shard))] == [[5, 6], [7], [8]]
