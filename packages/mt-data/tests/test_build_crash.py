@@ -340,3 +340,81 @@ def test_a_running_unlocked_build_keeps_its_temporaries_out_of_the_stale_clean_u
     writer.finalize()
     shard = IndexedDataset(tmp_path / "a")
     assert [shard[i].tolist() for i in range(len(shard))] == [[5, 6], [7], [8]]
+
+
+def test_two_default_builds_without_a_lock_never_leave_a_torn_shard(tmp_path, monkeypatch):
+    # `mt-data build-default --output DIR` without flock (NFS) wrote stdlib.bin.tmp and
+    # stdlib.idx.tmp whatever ran beside it: a second build truncated the first's files,
+    # the first renamed a torn shard into place and the second failed at its rename.
+    import threading
+    import warnings
+
+    import mt_data.default_corpus as default_corpus
+    from mt_data.indexed import IndexedDatasetWriter
+
+    documents = [f"x{i} = {i} * 2" * 20 for i in range(600)]  # three batches
+    monkeypatch.setattr(default_corpus, "iter_default_documents", lambda: iter(documents))
+    default_corpus.build_default_corpus(tmp_path / "reference")
+    expected = _files(tmp_path / "reference")
+
+    _without_flock(monkeypatch)
+    out = tmp_path / "out"
+    second_is_writing, first_is_done = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def run_second() -> None:
+        try:
+            default_corpus.build_default_corpus(out)
+        except BaseException as e:  # reported by the test
+            errors.append(e)
+
+    second = threading.Thread(target=run_second)
+    add_documents, finalize = IndexedDatasetWriter.add_documents, IndexedDatasetWriter.finalize
+
+    def paused_add_documents(self, tokens, lengths):
+        add_documents(self, tokens, lengths)
+        if threading.current_thread() is second and not second_is_writing.is_set():
+            second_is_writing.set()
+            first_is_done.wait(30)
+
+    def finalize_while_the_second_writes(self):
+        if threading.current_thread() is not second:
+            second.start()
+            assert second_is_writing.wait(30)
+        finalize(self)
+
+    monkeypatch.setattr(IndexedDatasetWriter, "add_documents", paused_add_documents)
+    monkeypatch.setattr(IndexedDatasetWriter, "finalize", finalize_while_the_second_writes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "cannot lock the directory", from both builds
+        try:
+            default_corpus.build_default_corpus(out)
+            first = _files(out)
+        finally:
+            first_is_done.set()
+            second.join(30)
+    shard = ("stdlib.bin", "stdlib.idx")
+    assert {name: first.get(name) for name in shard} == {name: expected[name] for name in shard}
+    assert not errors, errors
+    assert _files(out) == expected
+
+
+def test_a_default_build_without_a_lock_removes_only_old_unlocked_temporaries(
+    tmp_path, monkeypatch
+):
+    import mt_data.default_corpus as default_corpus
+
+    monkeypatch.setattr(default_corpus, "iter_default_documents", lambda: iter(["x = 1"]))
+    _without_flock(monkeypatch)
+    out = tmp_path / "out"
+    out.mkdir()
+    old, recent = "stdlib.idx.4242-0a1b2c3d.tmp", "stdlib.bin.4243-0a1b2c3d.tmp"
+    for name in (old, recent):
+        (out / name).write_bytes(b"half-written")
+    then = time.time() - 2 * 3600  # a killed build's; the recent one may be running
+    os.utime(out / old, (then, then))
+    with pytest.warns(UserWarning, match="cannot lock the directory"):
+        default_corpus.build_default_corpus(out)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "manifest.json", "stdlib.bin", recent, "stdlib.idx"
+    ]  # fmt: skip

@@ -329,6 +329,17 @@ def remove_partial_files(out: Path, *, older_than: float | None = None) -> list[
     return removed
 
 
+def build_temp_suffix(locked: bool) -> str:
+    """What a build's temporaries end with: `.tmp` under `build_lock`, else
+    `.<pid>-<random>.tmp`, as another build may write the same shards now: with names of
+    their own neither truncates the other's files, and each renames a whole shard.
+
+    Args:
+        locked: Whether the build holds `build_lock` of its directory.
+    """
+    return ".tmp" if locked else f".{os.getpid()}-{secrets.token_hex(4)}.tmp"
+
+
 def remove_stale_shards(out: Path, keep: set[str]) -> list[str]:
     """Remove the shards that an earlier build wrote into `out` (they have a build record)
     and that are not in `keep`, with their records; returns their names."""
@@ -540,9 +551,7 @@ def build_corpus(
             # corpus stays readable while new shards are added, and after a failure.
             (out / MANIFEST_NAME).unlink(missing_ok=True)
         total_bytes = sum(path.stat().st_size for path, _ in jobs)
-        # Without the lock another build may write these shards now: temporaries of our
-        # own, so that neither truncates the other's, and each renames a whole shard.
-        temp_suffix = ".tmp" if locked else f".{os.getpid()}-{secrets.token_hex(4)}.tmp"
+        temp_suffix = build_temp_suffix(locked)
         with BuildProgress(total_bytes, progress) as bar:
             built = iter(
                 _run_jobs(
@@ -590,6 +599,7 @@ def build_documents(
     output_prefix: str | Path,
     *,
     progress: bool = False,
+    temp_suffix: str = ".tmp",
 ) -> ShardSummary:
     """Tokenize in-memory documents into one shard (`<output_prefix>.bin/.idx`), in-process.
 
@@ -600,6 +610,8 @@ def build_documents(
         tokenizer: A tokenizer.json, a directory holding one, or a loaded tokenizer.
         output_prefix: Shard path without extension; its directory must exist.
         progress: Show a progress bar.
+        temp_suffix: Ends the temporaries' names (`IndexedDatasetWriter`'s
+            `temp_suffix`); `build_temp_suffix` gives one.
 
     Returns:
         What the shard holds.
@@ -621,7 +633,9 @@ def build_documents(
 
     with (
         BuildProgress(0, progress) as bar,
-        IndexedDatasetWriter(prefix, token_dtype(tokenizer.vocab_size)) as writer,
+        IndexedDatasetWriter(
+            prefix, token_dtype(tokenizer.vocab_size), temp_suffix=temp_suffix
+        ) as writer,
     ):
         bar.describe(prefix.name)
         for raw in batches():

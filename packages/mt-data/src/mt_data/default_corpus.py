@@ -15,6 +15,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import re
 import shutil
 import sys
 import sysconfig
@@ -23,7 +24,14 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from mt_data.build import build_documents, build_lock, check_tokenizer
+from mt_data.build import (
+    _UNLOCKED_PARTIAL_SECONDS,
+    build_documents,
+    build_lock,
+    build_temp_suffix,
+    check_tokenizer,
+    remove_partial_files,
+)
 from mt_data.manifest import (
     MANIFEST_NAME,
     MANIFEST_VERSION,
@@ -58,6 +66,10 @@ _DEFAULT_CORPUS_NAMES = frozenset(
         MANIFEST_NAME,
         f"{MANIFEST_NAME}.tmp",
     }
+)
+# The temporaries of a build without flock (`build_temp_suffix`), replaceable too.
+_UNLOCKED_DEFAULT_TEMPORARY = re.compile(
+    rf"({DEFAULT_SHARD_NAME}\.(bin|idx)|{re.escape(MANIFEST_NAME)})\.\d+-[0-9a-f]{{8}}\.tmp"
 )
 # A default build's temporary directory (`.<final name>.tmp-<random>`) no build holds the
 # lock of and untouched this long is a killed build's. The age covers the moment between
@@ -151,7 +163,11 @@ def _check_replaceable(out: Path) -> None:
         ValueError: If `out` holds other files (say the shards of `mt-data build`), or its
             manifest describes a corpus other than the default one.
     """
-    foreign = sorted(p.name for p in out.iterdir() if p.name not in _DEFAULT_CORPUS_NAMES)
+    foreign = sorted(
+        p.name
+        for p in out.iterdir()
+        if p.name not in _DEFAULT_CORPUS_NAMES and not _UNLOCKED_DEFAULT_TEMPORARY.fullmatch(p.name)
+    )
     if foreign:
         more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
         shown = ", ".join(foreign[:5]) + more
@@ -191,12 +207,19 @@ def build_default_corpus(output: str | Path, *, progress: bool = False) -> Path:
         raise ValueError(f"output {out} exists and is not a directory; choose another path")
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(default_tokenizer_path())
-    with build_lock(out):
+    with build_lock(out) as locked:
         check_tokenizer(out, file_sha256(tokenizer.path), tokenizer.path)
         _check_replaceable(out)
+        # Without the lock, recent temporaries may be another build's in progress.
+        remove_partial_files(out, older_than=None if locked else _UNLOCKED_PARTIAL_SECONDS)
         (out / MANIFEST_NAME).unlink(missing_ok=True)  # its stdlib shard is rewritten
+        temp_suffix = build_temp_suffix(locked)
         shard = build_documents(
-            iter_default_documents(), tokenizer, out / DEFAULT_SHARD_NAME, progress=progress
+            iter_default_documents(),
+            tokenizer,
+            out / DEFAULT_SHARD_NAME,
+            progress=progress,
+            temp_suffix=temp_suffix,
         )
         shard.input = str(_stdlib_root())
         manifest = corpus_manifest(
@@ -205,7 +228,7 @@ def build_default_corpus(output: str | Path, *, progress: bool = False) -> Path:
             source=_DEFAULT_SOURCE,
             python_version=f"{sys.version_info.major}.{sys.version_info.minor}",
         )
-        write_manifest(out, manifest)
+        write_manifest(out, manifest, temp_suffix=temp_suffix)
     return out
 
 
