@@ -42,13 +42,30 @@ def test_eos_missing_from_tokenizer_config_comes_from_special_tokens_map(tmp_pat
     assert (loaded.bos_token, loaded.bos_id) == ("<s>", 3)
 
 
-def test_tokenizer_config_wins_over_special_tokens_map(tmp_path):
+ADDED_TOKENS_DECODER = {"3": {"content": "<s>", "special": True}, "4": {"content": "<eot>"}}
+
+
+@pytest.mark.parametrize(
+    ("tokenizer_config", "eos"),
+    [
+        # Saved by transformers >= 4.34: special_tokens_map.json is not read.
+        ({"eos_token": "<s>", "added_tokens_decoder": ADDED_TOKENS_DECODER}, "<s>"),
+        # Older files: special_tokens_map.json overrides tokenizer_config.json.
+        ({"eos_token": "<s>"}, "<eot>"),
+    ],
+)
+def test_eos_named_by_both_files_is_the_one_transformers_takes(tmp_path, tokenizer_config, eos):
+    # tokenizer_config.json always won, so a directory of the older kind whose files
+    # disagree gave the corpus another EOS than the model's (transformers').
     directory = _tokenizer_dir(
         tmp_path / "tok",
-        tokenizer_config={"eos_token": "<s>"},
-        special_tokens_map={"eos_token": "<eot>"},
+        tokenizer_config=tokenizer_config,
+        special_tokens_map={"eos_token": {"content": "<eot>"}},
     )
-    assert load_tokenizer(directory).eos_token == "<s>"
+    assert load_tokenizer(directory).eos_token == eos
+    transformers = pytest.importorskip("transformers")
+    reference = transformers.AutoTokenizer.from_pretrained(directory)
+    assert reference.eos_token == eos
 
 
 def test_eos_missing_from_tokenizer_config_falls_back_to_a_known_token_in_the_vocabulary(

@@ -88,8 +88,8 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument(
         "--eos-token",
         default=None,
-        help="EOS token text (default: eos_token of tokenizer_config.json, else of "
-        "special_tokens_map.json, else the first of "
+        help="EOS token text (default: eos_token of tokenizer_config.json or "
+        "special_tokens_map.json, as transformers reads them, else the first of "
         f"{', '.join(FALLBACK_EOS_TOKENS)} in the vocabulary)",
     )
     build.add_argument(

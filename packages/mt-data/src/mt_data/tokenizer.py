@@ -24,8 +24,8 @@ __all__ = [
     "read_tokenizer",
 ]
 
-# The files beside a tokenizer.json that may name its special tokens, in the order they
-# are asked (`eos_token`, `bos_token`: a string or an AddedToken dict).
+# The files beside a tokenizer.json that may name its special tokens (`eos_token`,
+# `bos_token`: a string or an AddedToken dict); `_special_token` says which is asked first.
 SPECIAL_TOKEN_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 # Files of tokenizers `transformers` reads without a tokenizer.json (sentencepiece, BPE
 # vocab + merges, WordPiece); it converts them and `save_pretrained` writes one.
@@ -102,31 +102,43 @@ class LoadedTokenizer:
         return [encoding.ids for encoding in encodings]
 
 
-def _token_from_config(config_path: Path, key: str) -> str | None:
+def _read_config(config_path: Path) -> dict:
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{config_path}: cannot read it as JSON ({e}); fix or remove it") from e
-    token = config.get(key) if isinstance(config, dict) else None
+    return config if isinstance(config, dict) else {}
+
+
+def _token_from_config(config_path: Path, key: str) -> str | None:
+    token = _read_config(config_path).get(key)
     if isinstance(token, dict):  # the AddedToken form: {"content": "</s>", ...}
         token = token.get("content")
     return token if isinstance(token, str) and token else None
 
 
 def _special_token(file: Path, key: str) -> tuple[str | None, str]:
-    """`key` (`eos_token`, `bos_token`) from the first of `SPECIAL_TOKEN_FILES` beside
-    `file` that names it: (token, that file), or (None, what was looked at)."""
-    looked = []
-    for name in SPECIAL_TOKEN_FILES:
+    """`key` (`eos_token`, `bos_token`) from the files beside `file` that may name it:
+    (token, that file), or (None, what was looked at).
+
+    The first that names it, in transformers' precedence: a tokenizer_config.json with
+    `added_tokens_decoder` (saved by transformers >= 4.34, which then does not read
+    special_tokens_map.json) first, else special_tokens_map.json first (older files: its
+    tokens override tokenizer_config.json's).
+    """
+    config_path = file.parent / SPECIAL_TOKEN_FILES[0]
+    modern = config_path.is_file() and "added_tokens_decoder" in _read_config(config_path)
+    looked = {}
+    for name in SPECIAL_TOKEN_FILES if modern else SPECIAL_TOKEN_FILES[::-1]:
         path = file.parent / name
         if not path.is_file():
-            looked.append(f"there is no {name}")
+            looked[name] = f"there is no {name}"
             continue
         token = _token_from_config(path, key)
         if token is not None:
             return token, str(path)
-        looked.append(f"{path} names no {key!r}")
-    return None, ", ".join(looked)
+        looked[name] = f"{path} names no {key!r}"
+    return None, ", ".join(looked[name] for name in SPECIAL_TOKEN_FILES)
 
 
 def read_tokenizer(path: str | Path) -> tuple[Tokenizer, Path]:
@@ -168,9 +180,10 @@ def load_tokenizer(
     """Read a tokenizer.json (or a directory holding one) and resolve its EOS token.
 
     The EOS token is `eos_token` when given, else `eos_token` of the
-    `tokenizer_config.json` beside the tokenizer.json, else that of its
-    `special_tokens_map.json` (as `transformers` reads a model directory), else the first
-    of `FALLBACK_EOS_TOKENS` in the vocabulary (added tokens included).
+    `tokenizer_config.json` or `special_tokens_map.json` beside the tokenizer.json (where
+    both name one, the one `transformers` takes: tokenizer_config.json's when it has
+    `added_tokens_decoder`, else special_tokens_map.json's), else the first of
+    `FALLBACK_EOS_TOKENS` in the vocabulary (added tokens included).
 
     Args:
         path: A `tokenizer.json` file, or a directory (a Hugging Face model directory)

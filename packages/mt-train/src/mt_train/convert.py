@@ -338,8 +338,8 @@ def _add_special_token_ids(directory: Path) -> None:
     Without a generation_config.json, transformers' ``generate`` takes these ids from
     config.json (it stops at the EOS and pads batches with the PAD); the family configs
     carry no token ids, so a model trained here would otherwise never stop. The EOS is the
-    one mt-data resolves (tokenizer_config.json's ``eos_token``, else
-    special_tokens_map.json's, else its fallback list); BOS and PAD are
+    one mt-data resolves (``eos_token`` of tokenizer_config.json or
+    special_tokens_map.json, in transformers' precedence, else its fallback list); BOS and PAD are
     tokenizer_config.json's ``bos_token`` and ``pad_token``, text or an AddedToken dict's
     ``content``. An id config.json already holds (not null) is kept; a
     token the files do not name or the vocabulary lacks is left out. Nothing is written
