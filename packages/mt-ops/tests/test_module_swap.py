@@ -74,6 +74,30 @@ def test_converted_module_runs_the_source_hooks_until_their_handles_remove_them(
     assert len(calls) == 4
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_converted_module_runs_the_source_load_state_dict_hooks_on_itself(kind):
+    # register_load_state_dict_pre_hook keeps a weak reference to the module it was
+    # registered on: the carried hook was called with the replaced module, and once that
+    # was collected, load_state_dict raised "the hook of a dead Module".
+    import gc
+
+    source = _source(kind)
+    calls = []
+    handles = [
+        source.register_load_state_dict_pre_hook(lambda m, *args: calls.append(("pre", m))),
+        source.register_load_state_dict_post_hook(lambda m, keys: calls.append(("post", m))),
+    ]
+    converted = _convert(kind, source)
+    del source
+    gc.collect()
+    converted.load_state_dict(converted.state_dict())
+    assert calls == [("pre", converted), ("post", converted)]
+    for handle in handles:
+        handle.remove()
+    converted.load_state_dict(converted.state_dict())
+    assert len(calls) == 2
+
+
 class _ScaledLinear(nn.Linear):
     """A linear subclass with state of its own, which a swap would silently drop."""
 

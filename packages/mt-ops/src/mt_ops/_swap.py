@@ -7,8 +7,11 @@ its hooks are carried over here; state the new module has no place for (a subcla
 buffers or parameters, a parametrization) is refused by name rather than dropped.
 """
 
+import weakref
+
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.nn.modules.module import _WrappedHook
 from torch.nn.utils import parametrize
 
 _OWN_PARAMETERS = ("weight", "bias")
@@ -64,3 +67,8 @@ def carry_module_state(new: nn.Module, old: nn.Module) -> None:
         # _forward_hooks, _backward_pre_hooks, _state_dict_hooks, _is_full_backward_hook, ...
         if "hook" in name:
             new.__dict__[name] = value
+    for hook in new._load_state_dict_pre_hooks.values():
+        # register_load_state_dict_pre_hook binds (weakly) the module it was registered on:
+        # the hook would get `old`, and raise "dead Module" once `old` is collected.
+        if isinstance(hook, _WrappedHook) and hook.with_module and hook.module() is old:
+            hook.module = weakref.ref(new)
