@@ -30,3 +30,38 @@ def test_mesh_ranks_of_flattened_axes_come_from_the_kept_meshes_without_warnings
     # rank() sliced "dp_ep" etc. from the root mesh, which torch 2.11 warns is deprecated;
     # group() already used the kept flattened meshes.
     spawn(check_mesh_ranks_of_flattened_axes, 2)
+
+
+class _SlowToFormat(AssertionError):
+    """An error whose traceback takes a second to format (a long one can): the failing
+    rank reports it to spawn after its peer has found it gone."""
+
+    def __str__(self):
+        import time
+
+        time.sleep(1)
+        return "rank 1's own failure"
+
+
+def _fail_on_rank_1():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise _SlowToFormat
+
+
+def test_spawn_reports_the_failing_rank_not_its_peer_left_at_the_final_barrier(monkeypatch):
+    # Rank 0 passes and waits at spawn's final barrier; rank 1 fails and leaves. The
+    # barrier's broken connection on rank 0 ('Connection closed by peer') was raised as
+    # rank 0's error, and spawn reported it instead of rank 1's traceback (8 runs in 10).
+    from pathlib import Path
+
+    import pytest
+    from torch.multiprocessing import ProcessRaisedException
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # spawned ranks import this file
+    targets = __import__(Path(__file__).stem)
+    with pytest.raises(ProcessRaisedException) as raised:
+        spawn(targets._fail_on_rank_1, 2)
+    assert raised.value.error_index == 1, str(raised.value)
+    assert "rank 1's own failure" in str(raised.value), str(raised.value)

@@ -76,7 +76,17 @@ def _entry(
     # destroyed groups sometimes aborted the process ("terminate called without an active
     # exception", SIGABRT, no Python frame; 1-2 runs in 10 of a spawned gloo test here,
     # after every check had passed). Nothing is left to run after a successful `fn`.
-    dist.barrier()
+    try:
+        dist.barrier()
+    except Exception as err:
+        if not dist.is_initialized():  # fn destroyed the group: not a peer's failure
+            raise
+        # A peer failed and left ('Connection closed by peer'): its own error is the one
+        # spawn must report, and an error of this rank, which passed, could come first.
+        print(f"rank {rank} passed; a peer left before the final barrier ({err})", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
