@@ -797,6 +797,8 @@ def test_a_checkpoint_with_the_shared_rng_key_of_older_versions_still_resumes_it
     for stale in [*checkpoint.path.glob("*.distcp"), checkpoint.path / ".metadata"]:
         stale.unlink()
     torch_save_to_dcp(whole, checkpoint.path)
+    state_file = checkpoint.path / "train_state.json"
+    state_file.write_text(json.dumps({**json.loads(state_file.read_text()), "format_version": 1}))
     torch.manual_seed(7)
     state = setup(_cfg(tmp_path, "training.max_steps=2"))
     state.run_lock.close()

@@ -43,7 +43,9 @@ from torch import nn
 
 from mt_train.distributed import failing_together
 
-FORMAT_VERSION = 1
+# 2: RNG states per rank (`rng/<device>/rank_<r>`); version 1 wrote one `rng/<device>` for
+# every rank, which is still read. An older moetrain refuses 2 as newer than it reads.
+FORMAT_VERSION = 2
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _REPLACED = ".replaced-"  # prefix of a step's checkpoint while it is saved again
 _STATE_FILE = "train_state.json"
