@@ -171,6 +171,31 @@ def test_emulated_fp8_products_are_within_calc_diff_of_exact_products():
     assert calc_diff(dw, exact_dw) <= 1e-3
 
 
+@pytest.mark.parametrize("scale_format", ["fp32", "e8m0"])
+def test_emulation_under_autocast_multiplies_in_fp32_as_outside(scale_format):
+    # The backward of an FP8 linear runs under the training step's autocast (mt-train's
+    # run_microbatches). Before, the emulation's matmuls were autocast to BF16 there: fp32
+    # weight gradients and each product of a gemm_sum were rounded to BF16 (~2e-3 apart).
+    p = _problem([0, 130, 3, 0, 67], 192, 160, scale_format)
+    a2q, w2q = _second_pair(p, scale_format)
+    tiles = p["tiles"]
+
+    def products():
+        return [
+            fp8_grouped_gemm(p["xq"], p["wq"], tiles, out_dtype=torch.float32),
+            fp8_grouped_gemm_sum(p["dyq"], p["wqt"], a2q, w2q, tiles, out_dtype=torch.float32),
+            fp8_grouped_wgrad(p["dyqt"], p["xqt"], tiles),
+            fp8_grouped_wgrad(p["dyqt"], p["xqt"], tiles, out=torch.ones(5, 160, 192)),
+        ]
+
+    expected = products()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = products()
+    for name, g, e in zip(["gemm", "gemm_sum", "wgrad", "wgrad into out"], got, expected,
+                          strict=True):  # fmt: skip
+        assert g.dtype == torch.float32 and torch.equal(g, e), name
+
+
 def test_backend_is_emulation_on_cpu_and_overrides_are_checked(monkeypatch):
     monkeypatch.delenv("MT_OPS_FP8_BACKEND", raising=False)
     assert fp8_backend(torch.device("cpu")) == "emulation"
