@@ -100,6 +100,30 @@ def test_fp32_q_k_with_bf16_v_under_autocast_match_reference(kwargs, assert_clos
     assert_close(out.float(), ref.float(), torch.bfloat16, "out")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sinks_and_lse_under_autocast_give_the_fp32_lse_and_output_of_the_call_outside(dtype):
+    # On CPU these run the reference, which is documented to compute in fp32 and return an
+    # fp32 LSE (what flex returns on CUDA, where autocast has no rule for it). Before, its
+    # matmuls were autocast to BF16 there: a BF16 LSE (~1e-2 off; merging chunks by LSE
+    # loses precision) and BF16-rounded scores and probabilities behind the output.
+    q, k, v = _qkv((1, 4, 2, 9, 16), dtype, seed=2)
+    sinks = torch.tensor([-1.0, 0.0, 0.5, 2.0])
+    for kwargs in ({"return_lse": True}, {"sinks": sinks, "return_lse": True}, {"sinks": sinks}):
+        expected = attention(q, k, v, window=4, **kwargs)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = attention(q, k, v, window=4, **kwargs)
+            ref = attention_reference(q, k, v, window=4, **kwargs)
+        for result in (got, ref):
+            if kwargs.get("return_lse"):
+                assert result[1].dtype == torch.float32 and torch.equal(result[1], expected[1])
+                result, want = result[0], expected[0]
+            else:
+                want = expected
+            assert result.dtype == dtype and torch.equal(result, want), kwargs
+    meta = torch.empty(1, 4, 9, 16, device="meta")  # (devices without autocast still trace)
+    assert attention_reference(meta, meta, meta, return_lse=True)[1].shape == (1, 4, 9)
+
+
 def _float64_attention(q, k, v, mask, sinks=None, scale=None):
     """Softmax over [scores, sink] in float64, the sink column dropped (GPT-OSS's eager form)."""
     group = q.shape[1] // k.shape[1]

@@ -8,10 +8,12 @@ their floating inputs to the autocast dtype (``grouped_linear`` casts explicitly
 is how one-GPU training runs bf16 activations against fp32 parameters.
 """
 
+from contextlib import AbstractContextManager, nullcontext
+
 import torch
 from torch import Tensor
 
-__all__ = ["autocast_dtype", "check_same_dtype", "compute_dtype", "is_integer"]
+__all__ = ["autocast_dtype", "autocast_off", "check_same_dtype", "compute_dtype", "is_integer"]
 
 
 def autocast_dtype(device: torch.device) -> torch.dtype | None:
@@ -25,6 +27,15 @@ def autocast_dtype(device: torch.device) -> torch.dtype | None:
     if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return None
+
+
+def autocast_off(device: torch.device) -> AbstractContextManager:
+    """A context with autocast off for ``device``'s type, for references that promise fp32
+    math (their matmuls would run in the autocast dtype); a no-op for devices without
+    autocast (meta), where ``torch.autocast`` would raise."""
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return nullcontext()
 
 
 def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:

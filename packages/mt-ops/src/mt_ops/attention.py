@@ -48,7 +48,7 @@ from torch.nn.attention.flex_attention import (
     flex_attention,
 )
 
-from mt_ops._dtypes import check_same_dtype, compute_dtype, is_integer
+from mt_ops._dtypes import autocast_off, check_same_dtype, compute_dtype, is_integer
 
 __all__ = ["apply_sinks", "attention", "attention_reference"]
 
@@ -537,6 +537,21 @@ def attention_reference(
         q_BHSD, k_BHSD, q_positions=q_positions, kv_positions=kv_positions,
         q_document_ids=q_document_ids, kv_document_ids=kv_document_ids,
     )  # fmt: skip
+    # In fp32 under autocast too (it would run the matmuls in BF16 and return a BF16 LSE):
+    # as flex does on CUDA, which autocast leaves alone.
+    with autocast_off(q_BHSD.device):
+        return _attention_math(
+            q_BHSD, k_BHSD, v_BHSD, causal=causal, scale=scale, window=window, sinks=sinks,
+            q_positions=q_positions, kv_positions=kv_positions, q_document_ids=q_document_ids,
+            kv_document_ids=kv_document_ids, return_lse=return_lse,
+        )  # fmt: skip
+
+
+def _attention_math(
+    q_BHSD, k_BHSD, v_BHSD, *, causal, scale, window, sinks, q_positions, kv_positions,
+    q_document_ids, kv_document_ids, return_lse,
+):  # fmt: skip
+    """The body of :func:`attention_reference` (arguments checked, autocast off)."""
     scale = 1.0 / math.sqrt(q_BHSD.shape[-1]) if scale is None else scale
     group = q_BHSD.shape[1] // k_BHSD.shape[1]
     dtype = compute_dtype(q_BHSD.dtype)

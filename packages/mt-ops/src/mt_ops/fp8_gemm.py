@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 
 from mt_ops import fp8_gemm_hopper
+from mt_ops._dtypes import autocast_off
 from mt_ops._triton import TensorDescriptor, cdiv, launch, num_sms, tl, triton
 from mt_ops.fp8_quant import (
     BLOCK,
@@ -491,13 +492,6 @@ def fp8_grouped_gemm(
     return _grouped_gemm_triton(a, b, tiles, out_dtype)
 
 
-def _fp32_matmuls(device: torch.device) -> torch.autocast:
-    """Autocast off for the emulation's matmuls: FP8 backwards run under the training step's
-    autocast, which would multiply the dequantized fp32 operands in BF16 and round fp32
-    results (a weight gradient, each product of a sum) to BF16, unlike the kernels."""
-    return torch.autocast(device.type, enabled=False)
-
-
 def fp8_grouped_gemm_reference(
     a: Fp8Quantized,
     b: Fp8Quantized,
@@ -513,7 +507,10 @@ def fp8_grouped_gemm_reference(
     b_GNK = dequantize_128x128(b)
     out = torch.zeros(a_MK.shape[0], b_GNK.shape[1], dtype=torch.float32, device=a_MK.device)
     starts, ends, groups = tiles.start_T.tolist(), tiles.end_T.tolist(), tiles.group_T.tolist()
-    with _fp32_matmuls(a_MK.device):
+    # Autocast off: FP8 backwards run under the training step's autocast, which would
+    # multiply the dequantized fp32 operands in BF16 and round fp32 results (a weight
+    # gradient, each product of a sum) to BF16, unlike the kernels.
+    with autocast_off(a_MK.device):
         for start, end, g in zip(starts, ends, groups, strict=True):
             if g < b_GNK.shape[0] and end > start:
                 out[start:end] = a_MK[start:end] @ b_GNK[g].T
@@ -768,7 +765,7 @@ def fp8_grouped_wgrad_reference(
     first = tiles.group_first_tile_G.tolist()
     starts, ends = tiles.start_T.tolist(), tiles.end_T.tolist()
     result = torch.zeros(num_groups, a_NM.shape[0], b_KM.shape[0], device=a_NM.device)
-    with _fp32_matmuls(a_NM.device):
+    with autocast_off(a_NM.device):  # fp32 under autocast too (fp8_grouped_gemm_reference)
         for g in range(num_groups):
             if first[g + 1] > first[g]:
                 lo, hi = starts[first[g]], ends[first[g + 1] - 1]
