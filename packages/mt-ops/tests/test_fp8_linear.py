@@ -299,6 +299,26 @@ def test_make_weight_grads_deferrable_swaps_linears_and_keeps_parameters():
     assert all(before[n] is p for n, p in model.named_parameters())
 
 
+def test_model_swaps_refuse_a_root_layer_they_cannot_replace_in_place():
+    # Both swap children in place; a model that is itself the layer came back unconverted
+    # (convert_to_fp8 returned the nn.Linear, make_weight_grads_deferrable returned 0).
+    from mt_ops.deferred_wgrad import make_weight_grads_deferrable
+
+    linear = nn.Linear(128, 256)
+    with pytest.raises(ValueError, match=r"model is itself a Linear .*FP8Linear\.from_linear"):
+        convert_to_fp8(linear)
+    with pytest.raises(ValueError, match=r"itself a GroupedLinear .*from_grouped_linear"):
+        convert_to_fp8(_grouped())
+    with pytest.raises(ValueError, match=r"model is itself a Linear .*Linear\.from_linear"):
+        make_weight_grads_deferrable(linear)
+    assert type(linear) is nn.Linear
+    # A root the filter leaves out, or one already converted, is no error.
+    assert convert_to_fp8(linear, lambda module, fqn: False) is linear
+    fp8 = FP8Linear.from_linear(linear)
+    assert convert_to_fp8(fp8) is fp8
+    assert make_weight_grads_deferrable(Linear.from_linear(nn.Linear(8, 8))) == 0
+
+
 def test_convert_to_fp8_names_a_selected_layer_it_cannot_convert_and_changes_nothing():
     model = nn.Sequential(nn.Linear(128, 128), nn.Sequential(nn.Linear(128, 100)))
     with pytest.raises(

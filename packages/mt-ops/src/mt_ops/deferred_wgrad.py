@@ -230,6 +230,13 @@ def make_weight_grads_deferrable(model: nn.Module) -> int:
     Returns:
         The number of modules swapped.
     """
+    if isinstance(model, nn.Linear) and not isinstance(model, Linear):
+        # Only children are swapped: the layer itself would come back unchanged.
+        raise ValueError(
+            f"model is itself a {type(model).__name__} (in_features {model.in_features}, "
+            f"out_features {model.out_features}), which make_weight_grads_deferrable cannot "
+            "replace in place; use Linear.from_linear(model), or pass the module that holds it"
+        )
     swaps = []  # (parent, attribute name, layer); all checked before the first swap
     for fqn, module in model.named_modules():
         for name, child in module.named_children():

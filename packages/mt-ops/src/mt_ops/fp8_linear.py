@@ -448,6 +448,16 @@ def convert_to_fp8(
     _check_settings(backend, scale_format)
     keep = module_filter_fn or default_fp8_filter
     kwargs = {"weight_cache": weight_cache, "backend": backend, "scale_format": scale_format}
+    root_layer = isinstance(model, nn.Linear | GroupedLinear)
+    if root_layer and not isinstance(model, FP8Linear | FP8GroupedLinear) and keep(model, ""):
+        # Only children are swapped: the layer itself would come back unconverted.
+        linear = isinstance(model, nn.Linear)
+        swap = "FP8Linear.from_linear" if linear else "FP8GroupedLinear.from_grouped_linear"
+        raise ValueError(
+            f"model is itself a {type(model).__name__} (in_features {model.in_features}, "
+            f"out_features {model.out_features}), which convert_to_fp8 cannot replace in "
+            f"place; use {swap}(model), or convert the module that holds it"
+        )
     # Every selected layer is checked before the first swap: a refusal leaves the model as
     # it was, not half converted.
     swaps = []  # (parent, attribute name, layer)
