@@ -27,6 +27,20 @@ def test_fused_clamped_swiglu_runs_the_eager_op_on_cpu():
     torch.testing.assert_close(clamped_swiglu_fused(gate_up), clamped_swiglu_reference(gate_up))
 
 
+def test_float64_gate_up_where_kernels_run_takes_the_float64_eager_op(monkeypatch):
+    # Where kernels run (CUDA; here the interpreter stands in), fp64 went to the kernel,
+    # which computes in fp32: ~1e-7 off the fp64 op, failing gradcheck.
+    import mt_ops.clamped_swiglu_kernel as kernel_module
+    from mt_ops.clamped_swiglu import clamped_swiglu
+
+    monkeypatch.setattr(kernel_module, "use_kernels", lambda *tensors: True)
+    gate_up = _gate_up((3, 10), torch.float64, seed=4)
+    assert torch.equal(clamped_swiglu_fused(gate_up), clamped_swiglu(gate_up))
+    assert torch.autograd.gradcheck(clamped_swiglu_fused, (gate_up.requires_grad_(),))
+    out = clamped_swiglu_fused(_gate_up((3, 10), torch.float32).requires_grad_())
+    assert "ClampedSwiGLUFn" in type(out.grad_fn).__name__  # fp32 still takes the kernel
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

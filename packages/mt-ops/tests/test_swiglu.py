@@ -1,3 +1,5 @@
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -69,6 +71,20 @@ def test_swiglu_of_two_projections_under_autocast_matches_reference(assert_close
     for name, g, rg in zip(["x", "w_gate", "w_up"], grads, ref_grads, strict=True):
         assert g.dtype == torch.float32
         assert_close(g, rg, torch.bfloat16, f"grad {name}")
+
+
+def test_float64_swiglu_where_kernels_run_is_the_float64_eager_op(monkeypatch):
+    # Where kernels run (CUDA; here the interpreter stands in), fp64 went to the fused
+    # kernel, which computes in fp32: ~1e-8 off the fp64 op, failing gradcheck. rms_norm
+    # already sent dtypes other than fp32/bf16/fp16 to the eager path.
+    swiglu_module = importlib.import_module("mt_ops.swiglu")  # (mt_ops.swiglu: the function)
+    monkeypatch.setattr(swiglu_module, "use_kernels", lambda *tensors: True)
+    gen = torch.Generator().manual_seed(3)
+    gate, up = torch.randn(2, 3, 5, generator=gen, dtype=torch.float64)
+    assert torch.equal(swiglu(gate, up), F.silu(gate) * up)
+    assert torch.autograd.gradcheck(swiglu, (gate.requires_grad_(), up.requires_grad_()))
+    out = swiglu(*torch.randn(2, 3, 5, generator=gen, requires_grad=True))
+    assert "SwiGLUFn" in type(out.grad_fn).__name__  # fp32 still takes the kernel
 
 
 def test_fused_swiglu_kernel_matches_reference_in_interpreter(assert_close, run_with_grads):

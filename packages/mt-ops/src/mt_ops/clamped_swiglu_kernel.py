@@ -6,7 +6,8 @@ gate and up interleaved in the last dim of ``gate_up`` (gate at even, up at odd 
 The eager op runs two strided slices, two clamps, a sigmoid and three multiplies, and its
 backward as many again. This kernel reads ``gate_up`` once and writes ``out``; the backward
 recomputes the activation from the saved ``gate_up`` and writes the interleaved gradient in
-one pass. On CPU :func:`clamped_swiglu_fused` runs the eager op.
+one pass. On CPU, and for dtypes other than fp32, bf16 and fp16 (the kernels compute in
+fp32), :func:`clamped_swiglu_fused` runs the eager op.
 """
 
 import torch
@@ -19,6 +20,8 @@ __all__ = ["clamped_swiglu_fused"]
 
 # Output elements per program (each reads a gate and an up value): 2048 over 4 warps.
 _BLOCK = 2048
+# The kernels compute in fp32: other dtypes (fp64) take the eager op, which keeps them.
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
@@ -85,7 +88,8 @@ def clamped_swiglu_fused(gate_up: Tensor, alpha: float = 1.702, limit: float = 7
     Returns:
         Tensor [..., F] in the dtype of ``gate_up``.
     """
-    if not use_kernels(gate_up) or gate_up.numel() == 0 or gate_up.shape[-1] % 2:
+    fused = use_kernels(gate_up) and gate_up.dtype in _KERNEL_DTYPES and gate_up.numel() > 0
+    if not fused or gate_up.shape[-1] % 2:
         return clamped_swiglu(gate_up, alpha, limit)  # also raises on bad arguments
     if not (alpha > 0 and limit > 0):  # NaN too: the eager op raises
         return clamped_swiglu(gate_up, alpha, limit)

@@ -6,7 +6,8 @@ another four or five elementwise kernels. The fused kernel reads ``gate`` and ``
 and writes the product; the backward recomputes ``sigmoid`` from the two saved inputs and
 writes both gradients in one pass (3 reads + 2 writes instead of ~10 passes).
 
-On CPU the public op is the eager expression; the reference spells out ``sigmoid`` in fp32.
+On CPU, and for dtypes other than fp32, bf16 and fp16 (the kernels compute in fp32), the
+public op is the eager expression; the reference spells out ``sigmoid`` in fp32.
 ``gate`` and ``up`` must share a dtype, under autocast too (which leaves elementwise ops
 alone), so that every path returns that dtype.
 """
@@ -22,6 +23,8 @@ __all__ = ["swiglu", "swiglu_reference"]
 
 # Elements per program: 4096 over 8 warps is 16 per thread (two 16-byte bf16 vectors).
 _SWIGLU_BLOCK = 4096
+# The kernels compute in fp32: other dtypes (fp64) take the eager op, as in rms_norm.
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
@@ -102,7 +105,7 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
         Tensor of the shape and dtype of ``gate``.
     """
     _check(gate, up)
-    if use_kernels(gate, up) and gate.numel():
+    if use_kernels(gate, up) and gate.numel() and gate.dtype in _KERNEL_DTYPES:
         return _SwiGLUFn.apply(gate.contiguous(), up.contiguous())
     return F.silu(gate) * up
 
