@@ -53,6 +53,20 @@ def test_float64_rope_is_computed_in_float64_and_passes_gradcheck():
         assert torch.autograd.gradcheck(fn, (x, cos, sin))
 
 
+def test_float64_rope_where_kernels_run_is_the_float64_reference(monkeypatch):
+    # Where kernels run (CUDA; here the interpreter stands in), fp64 x went to the kernel,
+    # which rotates in fp32: ~1e-8 off the fp64 reference that the CPU path runs.
+    import mt_ops.rope as rope_module
+
+    monkeypatch.setattr(rope_module, "use_kernels", lambda *tensors: True)
+    x = torch.randn(1, 5, 2, 8, dtype=torch.float64, requires_grad=True)
+    cos, sin, _ = _cos_sin(5, 8)
+    assert torch.equal(apply_rope(x, cos, sin), apply_rope_reference(x, cos, sin))
+    assert torch.autograd.gradcheck(apply_rope, (x, cos, sin))
+    out = apply_rope(x.detach().float().requires_grad_(), cos.float(), sin.float())
+    assert "RopeFn" in type(out.grad_fn).__name__  # fp32 still takes the kernel
+
+
 def test_apply_rope_accepts_batched_cos_sin_and_preserves_norm():
     x = torch.randn(2, 11, 4, 8)
     cos, sin, _ = _cos_sin(11, 8)

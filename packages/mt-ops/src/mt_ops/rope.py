@@ -12,8 +12,8 @@ the gradient by the opposite angles (the transpose of the rotation). ``x`` may b
 view (a split of a projection, or a transposed gradient) as long as its last dim is
 contiguous.
 
-Both ops compute in fp32 (the reference, which is the CPU path, in fp64 for fp64 ``x``) and
-return the dtype of ``x``.
+Both ops compute in fp32 (the reference in fp64 for fp64 ``x``: the CPU path, and the path
+of every ``x`` other than fp32, bf16 and fp16) and return the dtype of ``x``.
 """
 
 import torch
@@ -26,6 +26,8 @@ __all__ = ["apply_rope", "apply_rope_reference"]
 
 # Heads per loop step of the kernel (at most this many rows of [heads, head_dim / 2] at once).
 _ROPE_BLOCK_H = 16
+# The kernel rotates in fp32: other dtypes of x (fp64) take the reference, as in rms_norm.
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
@@ -138,7 +140,8 @@ def apply_rope(x_BSHD: Tensor, cos_SD: Tensor, sin_SD: Tensor) -> Tensor:
     Returns:
         Rotated tensor of the shape and dtype of ``x_BSHD``.
     """
-    if not use_kernels(x_BSHD, cos_SD, sin_SD) or cos_SD.requires_grad or sin_SD.requires_grad:
+    fused = use_kernels(x_BSHD, cos_SD, sin_SD) and x_BSHD.dtype in _KERNEL_DTYPES
+    if not fused or cos_SD.requires_grad or sin_SD.requires_grad:
         return apply_rope_reference(x_BSHD, cos_SD, sin_SD)
     cos, sin = _broadcast_cos_sin(x_BSHD, cos_SD, sin_SD)
     return _RopeFn.apply(x_BSHD, cos, sin)
