@@ -225,6 +225,25 @@ def test_permute_and_unpermute_kernels_match_references_in_value_and_gradient(dt
         assert got.dtype == expected.dtype and rel <= tol
 
 
+def test_fp64_permute_and_unpermute_where_kernels_run_are_computed_in_fp64(monkeypatch):
+    # Where kernels run (CUDA; here the interpreter stands in), fp64 went to the kernels,
+    # whose sums (permute's backward, unpermute) are fp32: ~1e-8 off, failing gradcheck.
+    import mt_ops.moe_permute as permute_module
+
+    monkeypatch.setattr(permute_module, "use_kernels", lambda *tensors: True)
+    topk_ids_TK, weights_TK = _routing(5, 4, 2, seed=1)
+    plan = plan_dispatch(topk_ids_TK, 4)
+    x_TD = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    y_RD = torch.randn(10, 3, dtype=torch.float64, requires_grad=True)
+    w_TK = weights_TK.double().requires_grad_(True)
+    expected = y_RD[plan.row_of_slot_R].view(5, 2, 3).mul(w_TK[..., None]).sum(1)
+    assert torch.equal(unpermute(y_RD, plan, w_TK), expected)
+    assert torch.autograd.gradcheck(lambda y, w: unpermute(y, plan, w), (y_RD, w_TK))
+    assert torch.autograd.gradcheck(lambda x: permute(x, plan), (x_TD,))
+    out = unpermute(y_RD.detach().float().requires_grad_(), plan, weights_TK)
+    assert "UnpermuteFn" in type(out.grad_fn).__name__  # fp32 still takes the kernels
+
+
 def test_kept_rows_equal_the_full_permutation_cut_and_zero_padded():
     # Experts 0-2 kept, 3-4 dropped (as expert parallelism's bucket of other ranks' choices).
     topk_ids_TK, weights_TK = _routing(23, 5, 3, seed=3)

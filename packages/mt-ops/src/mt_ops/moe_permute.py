@@ -183,6 +183,12 @@ def _unpermute_backward(grad_TD, y_RD, plan, weights_TK, grad_y=True):
     return grad_y_RD, grad_w
 
 
+def _kernels_sum_in(rows: Tensor, *others: Tensor) -> bool:
+    """Whether the kernels run and sum ``rows`` in the precision the references use: they
+    sum in fp32, so fp64 rows (whose references sum in fp64) take the references."""
+    return use_kernels(rows, *others) and compute_dtype(rows.dtype) == torch.float32
+
+
 def _num_rows(plan: DispatchPlan, num_rows: int | None) -> int:
     """The routed rows kept: all T·K by default, else the first ``num_rows``."""
     total = plan.num_tokens * plan.topk
@@ -220,7 +226,7 @@ def permute(x_TD: Tensor, plan: DispatchPlan, *, num_rows: int | None = None) ->
     Under autocast the routed rows come out in the autocast dtype: they only feed the
     experts' matmuls, which would each cast them, so fp32 tokens (one-GPU training) are
     cast once while being moved, at half the bytes written. The gradient comes back in the
-    dtype of ``x_TD``, each token's K rows summed in fp32.
+    dtype of ``x_TD``, each token's K rows summed in fp32 (fp64 for fp64 ``x_TD``).
 
     Args:
         x_TD: Token activations [T, D].
@@ -235,7 +241,7 @@ def permute(x_TD: Tensor, plan: DispatchPlan, *, num_rows: int | None = None) ->
     """
     _check_permute(x_TD, plan)
     num_rows = _num_rows(plan, num_rows)
-    if not use_kernels(x_TD) or num_rows == 0:
+    if not _kernels_sum_in(x_TD) or num_rows == 0:
         return permute_reference(x_TD, plan, num_rows=num_rows)
     return _PermuteFn.apply(x_TD.contiguous(), plan, num_rows, _routed_dtype(x_TD))
 
@@ -277,10 +283,10 @@ def unpermute(
 
     Returns:
         ``out[t] = Σ_k w[t, k] · y[row of (t, k)]``, shape [T, D], dtype of ``y_RD``,
-        summed in fp32 (in fp64 for fp64 ``y_RD`` on CPU).
+        summed in fp32 (in fp64 for fp64 ``y_RD``).
     """
     num_rows = _check_unpermute(y_RD, plan, topk_weights_TK, num_rows)
-    if not use_kernels(y_RD, topk_weights_TK) or plan.num_tokens * plan.topk == 0:
+    if not _kernels_sum_in(y_RD, topk_weights_TK) or plan.num_tokens * plan.topk == 0:
         return unpermute_reference(y_RD, plan, topk_weights_TK, num_rows=num_rows)
     return _UnpermuteFn.apply(y_RD.contiguous(), plan, topk_weights_TK.contiguous())
 
