@@ -50,3 +50,25 @@ def test_fused_clamped_swiglu_on_gpu_matches_reference(dtype, assert_close, run_
     ref_out, ref_grads = run_with_grads(clamped_swiglu_reference, [gate_up])
     assert_close(out, ref_out, dtype, "out")
     assert_close(grads[0], ref_grads[0], dtype, "grad gate_up")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_clamped_swiglu_on_gpu_keeps_nan_where_clamp_does():
+    # Triton's min/max return the non-NaN operand on CUDA unless told otherwise: a NaN
+    # gate became the limit, a finite output that hid the NaN from the non-finite check.
+    from mt_ops.clamped_swiglu import clamped_swiglu
+
+    gate_up = _gate_up((64, 2 * 96), torch.float32, device="cuda")
+    gate_up[3, 10] = gate_up[5, 21] = gate_up[7, 40] = float("nan")  # gates and ups
+    grad = torch.randn(64, 96, device="cuda")
+    results = []
+    for op in (clamped_swiglu_fused, clamped_swiglu):
+        x = gate_up.clone().requires_grad_()
+        out = op(x)
+        out.backward(grad)
+        results.append((out.detach(), x.grad))
+    (out, dx), (ref, ref_dx) = results
+    assert out.isnan().sum() == 3
+    torch.testing.assert_close(out, ref, equal_nan=True)
+    torch.testing.assert_close(dx, ref_dx, equal_nan=True)

@@ -30,8 +30,10 @@ def _clamped_swiglu_fwd_kernel(gu_ptr, out_ptr, n, alpha, limit, BLOCK: tl.const
     ok = offs < n
     g = tl.load(gu_ptr + 2 * offs, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + 2 * offs + 1, mask=ok, other=0.0).to(tl.float32)
-    g = tl.minimum(g, limit)
-    u = tl.minimum(tl.maximum(u, -limit), limit)
+    # NaN stays NaN, as in clamp (by default min/max return the other operand on CUDA).
+    g = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL)
+    u = tl.minimum(tl.maximum(u, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
+                   propagate_nan=tl.PropagateNan.ALL)  # fmt: skip
     out = (u + 1.0) * g * tl.sigmoid(alpha * g)
     tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=ok)
 
@@ -43,8 +45,9 @@ def _clamped_swiglu_bwd_kernel(grad_ptr, gu_ptr, dgu_ptr, n, alpha, limit, BLOCK
     dout = tl.load(grad_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     g_in = tl.load(gu_ptr + 2 * offs, mask=ok, other=0.0).to(tl.float32)
     u_in = tl.load(gu_ptr + 2 * offs + 1, mask=ok, other=0.0).to(tl.float32)
-    g = tl.minimum(g_in, limit)
-    u = tl.minimum(tl.maximum(u_in, -limit), limit)
+    g = tl.minimum(g_in, limit, propagate_nan=tl.PropagateNan.ALL)
+    u = tl.minimum(tl.maximum(u_in, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
+                   propagate_nan=tl.PropagateNan.ALL)  # fmt: skip
     sig = tl.sigmoid(alpha * g)
     glu = g * sig
     # clamp passes the gradient where its input lies inside the bounds (inclusive).
