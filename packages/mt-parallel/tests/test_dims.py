@@ -139,3 +139,26 @@ def test_a_cp_rank_outside_the_cp_group_is_rejected_not_given_other_chunks(cp, c
 
 def test_a_layout_that_does_not_fit_the_experts_or_the_world_names_the_sizes_that_do():
     spawn(check_layout_errors_name_the_fix, 3)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "pattern"),
+    [
+        # 2.5 * 1.6 == 4: accepted, and a mesh of 2.5 ranks failed later, far from the cause.
+        ({"world_size": 4, "dp": 2.5, "ep": 1.6}, r"parallel.dp \(2.5\) must be a whole number"),
+        ({"world_size": 4, "ep": 2.0}, r"parallel.ep \(2.0\) must be a whole number .* ep=2\b"),
+        ({"world_size": 4.0}, r"parallel.world_size \(4.0\) must be a whole number"),
+        ({"world_size": 2, "cp": True}, r"parallel.cp \(True\) must be a whole number .* bool"),
+    ],
+)
+def test_sizes_that_are_not_whole_numbers_are_rejected_naming_them(sizes, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        ParallelDims(**sizes)
+
+
+def test_numpy_integer_sizes_are_taken_as_ints():
+    import numpy as np
+
+    dims = ParallelDims(world_size=np.int64(4), ep=np.int32(2))
+    assert (dims.world_size, dims.dp, dims.ep) == (4, 2, 2)
+    assert all(type(v) is int for v in (dims.world_size, dims.pp, dims.dp, dims.cp, dims.ep))

@@ -7,6 +7,7 @@ their frequent traffic stays inside a node (ARCHITECTURE.md §5).
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 
@@ -95,6 +96,18 @@ class ParallelDims:
     ep: int = 1
 
     def __post_init__(self) -> None:
+        for name in ("world_size", "pp", "dp", "cp", "ep"):
+            value = getattr(self, name)
+            # A float passed the checks below when the product came out right (dp=2.5 with
+            # ep=1.6 on 4 ranks) and failed later in the mesh; a bool is an int to Python.
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                whole = isinstance(value, float) and value.is_integer()
+                fix = f"; use {name}={int(value)}" if whole else ""
+                raise ValueError(
+                    f"parallel.{name} ({value!r}) must be a whole number of ranks, an int, "
+                    f"not {type(value).__name__}{fix}"
+                )
+            object.__setattr__(self, name, int(value))  # numpy integers become ints
         for name in ("world_size", "pp", "cp", "ep"):
             value = getattr(self, name)
             if value < 1:
