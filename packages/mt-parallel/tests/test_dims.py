@@ -162,3 +162,18 @@ def test_numpy_integer_sizes_are_taken_as_ints():
     dims = ParallelDims(world_size=np.int64(4), ep=np.int32(2))
     assert (dims.world_size, dims.dp, dims.ep) == (4, 2, 2)
     assert all(type(v) is int for v in (dims.world_size, dims.pp, dims.dp, dims.cp, dims.ep))
+
+
+def test_parallelize_refuses_a_materialized_model_and_keeps_its_weights():
+    # A loaded model (load_hf, or init_weights already run) was re-materialized and
+    # overwritten by init_weights(seed) without a word: its weights were lost.
+    from mt_models import build_model, qwen3_moe
+    from mt_parallel import parallelize
+
+    model = build_model(qwen3_moe.debug())
+    model.init_weights(1)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"model.embed_tokens.weight is on cpu.*load_hf_into"):
+        parallelize(model, ParallelDims(world_size=1), "cpu", seed=0)
+    for name, param in model.named_parameters():
+        assert torch.equal(param, before[name]), name

@@ -80,6 +80,16 @@ def parallelize(
     """
     if dims.pp != 1:
         raise ValueError(f"parallel.pp ({dims.pp}) > 1 needs the pipeline schedule; use pp=1")
+    # Materializing with to_empty and init_weights below overwrites whatever a parameter
+    # holds: a loaded model would lose its weights without a word.
+    for name, param in model.named_parameters():
+        if param.device.type != "meta":
+            raise ValueError(
+                f"parallelize needs a model built under torch.device('meta'), but {name} is "
+                f"on {param.device}: its values would be overwritten by init_weights({seed}); "
+                "build the model on meta, parallelize it, then load weights into it "
+                "(mt_models.load_hf_into, or a checkpoint)"
+            )
     device = torch.device(device)
     mesh = build_mesh(dims, device.type)
     if dims.ep > 1:
