@@ -21,8 +21,9 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
+from mt_models.layers.experts import GroupedExperts
 from mt_parallel.context_parallel import ContextParallelAttention, split_sample, zigzag_ranges
-from mt_parallel.dims import ParallelDims
+from mt_parallel.dims import ParallelDims, check_ep_divides_experts
 from mt_parallel.expert_parallel import apply_expert_parallel
 from mt_parallel.fsdp import apply_fsdp
 from mt_parallel.mesh import ParallelMesh, build_mesh
@@ -90,6 +91,12 @@ def parallelize(
                 "build the model on meta, parallelize it, then load weights into it "
                 "(mt_models.load_hf_into, or a checkpoint)"
             )
+    # Checked here, where the world is known, so the sizes named fit it too (the check of
+    # apply_expert_parallel names every divisor of the experts, ep=2 on 3 ranks included).
+    ranks = dims.world_size // (dims.pp * dims.cp)
+    for module in model.modules():
+        if isinstance(module, GroupedExperts):
+            check_ep_divides_experts(dims.ep, module.num_experts, ranks)
     device = torch.device(device)
     mesh = build_mesh(dims, device.type)
     if dims.ep > 1:

@@ -603,15 +603,17 @@ def check_context_parallel_refuses_document_positions(seq_len: int = 8) -> None:
 
 
 def check_layout_errors_name_the_fix(model_config: Any = None) -> None:
-    """On 3 ranks: `parallelize` with ep = 3 and 8 experts, and with a layout of 4 ranks,
-    raise ValueErrors naming the values and the sizes that fit (a `spawn` target)."""
+    """On 3 ranks: `parallelize` with ep = 3 and 8 experts (naming only the ep sizes that
+    also fit 3 ranks: 2, 4 and 8 do not), and with a layout of 4 ranks, raise ValueErrors
+    naming the values and the sizes that fit (a `spawn` target)."""
     from mt_models import qwen3_moe
 
     model_config = model_config or qwen3_moe.debug()
     world = dist.get_world_size()
     cases = [
         (ParallelDims(world_size=world, ep=world),
-         rf"parallel.ep \({world}\) must divide num_experts \(8\); choose one of \[1, 2, 4, 8\]"),
+         rf"parallel.ep \({world}\) must divide num_experts \(8\); choose one of \[1\] \(the "
+         rf"divisors of 8 that also divide world_size / \(pp\*cp\) = {world}\)"),
         (ParallelDims(world_size=world + 1, ep=world + 1),
          rf"has {world} ranks but the layout expects {world + 1} \(pp\*dp\*cp\*ep = "
          rf"1\*1\*1\*{world + 1}\); launch {world + 1} processes, or build ParallelDims with "
