@@ -9,6 +9,7 @@ import torch
 from mt_parallel import zigzag_ranges
 from mt_parallel.context_parallel import split_sample
 from mt_parallel.testing import (
+    check_context_parallel_gather_leaves_shared_gradients_alone,
     check_context_parallel_positions,
     check_context_parallel_refuses_document_positions,
     spawn,
@@ -21,6 +22,13 @@ def test_context_parallel_core_takes_positions_per_row_and_names_missing_ones():
 
 def test_context_parallel_core_refuses_per_document_positions_of_packed_samples():
     spawn(check_context_parallel_refuses_document_positions, 2)
+
+
+def test_key_value_gather_backward_leaves_a_gradient_shared_with_another_branch_alone():
+    # Its backward all-reduced the incoming gradient in place: where another branch got the
+    # same tensor (the backward of an add hands both operands one), that branch's gradient
+    # came out cp times too large.
+    spawn(check_context_parallel_gather_leaves_shared_gradients_alone, 2)
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])

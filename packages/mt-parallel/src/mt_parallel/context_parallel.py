@@ -81,7 +81,8 @@ def split_sample(tokens: Tensor, ranges: list[tuple[int, int]]) -> tuple[Tensor,
 
 
 class _GatherSeq(torch.autograd.Function):
-    """All-gather along the sequence dim (2) of [B, H, S_local, D]; backward sums back."""
+    """All-gather along the sequence dim (2) of [B, H, S_local, D]; the backward
+    reduce-scatters the gradient back to each rank's chunk."""
 
     @staticmethod
     def forward(ctx, x: Tensor, group) -> Tensor:
@@ -92,10 +93,13 @@ class _GatherSeq(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)  # gloo has no reduce-scatter
-        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        return grad.chunk(size, dim=2)[rank], None
+        # Reduce-scattered from a copy with the ranks' chunks stacked along dim 0
+        # [cp·B, H, S_local, D]: the incoming gradient may be another branch's too (an add's
+        # backward hands both operands one tensor), so it must not be reduced in place.
+        parts = torch.cat(grad.chunk(dist.get_world_size(ctx.group), dim=2))
+        out = parts.new_empty((grad.shape[0], *parts.shape[1:]))  # [B, H, S_local, D]
+        dist.reduce_scatter_tensor(out, parts, group=ctx.group)
+        return out, None
 
 
 def _check_global_positions(kv_positions: Tensor) -> None:

@@ -576,6 +576,25 @@ def check_context_parallel_positions(seq_len: int = 8, window: int = 3) -> None:
         raise AssertionError("positions_S=None did not raise")
 
 
+def check_context_parallel_gather_leaves_shared_gradients_alone(seq_len: int = 6) -> None:
+    """The key/value all-gather's backward gives each CP rank the sum over ranks of its
+    chunk's gradient, and leaves the incoming gradient as it was: here it is also the
+    gradient of another branch (`gathered + other` hands both the same tensor), which must
+    come out as the one-process value (a `spawn` target)."""
+    from mt_parallel.context_parallel import _GatherSeq
+
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    gen = torch.Generator().manual_seed(rank)
+    mine = torch.randn(2, 3, seq_len // cp, 4, generator=gen, requires_grad=True)
+    leaf = torch.randn(2, 3, seq_len, 4, generator=gen, requires_grad=True)
+    weight = torch.arange(float(seq_len * 4)).view(seq_len, 4)  # equal on every rank
+    other = leaf * 2
+    ((_GatherSeq.apply(mine, dist.group.WORLD) + other) * weight).sum().backward()
+    assert torch.equal(leaf.grad, (2 * weight).expand_as(leaf)), f"rank {rank}: {leaf.grad=}"
+    chunk = weight.chunk(cp, dim=0)[rank]  # every rank's loss reads this rank's keys
+    assert torch.equal(mine.grad, (cp * chunk).expand_as(mine)), f"rank {rank}: {mine.grad=}"
+
+
 def check_context_parallel_refuses_document_positions(seq_len: int = 8) -> None:
     """The context-parallel core refuses per-document positions of packed samples (its
     mask is by global position, so it would let documents see each other) with a
