@@ -177,3 +177,15 @@ def test_parallelize_refuses_a_materialized_model_and_keeps_its_weights():
         parallelize(model, ParallelDims(world_size=1), "cpu", seed=0)
     for name, param in model.named_parameters():
         assert torch.equal(param, before[name]), name
+
+
+def test_rank_batch_slices_names_only_cp_sizes_that_fit_the_world_for_a_bad_seq_len():
+    # It named cp 3, 5 or 15 for seq_len 30 on 8 ranks with ep=2 (zigzag_ranges' check,
+    # which does not know the world), sizes no such layout can take.
+    from mt_parallel import rank_batch_slices
+
+    dims = ParallelDims(world_size=8, cp=2, ep=2)
+    tokens = torch.zeros(8, 31, dtype=torch.long)
+    pattern = r"parallel.cp one of \[1\] \(those that also divide world_size / \(pp\*ep\) = 4\)"
+    with pytest.raises(ValueError, match=pattern):
+        next(rank_batch_slices(tokens, 4, dims, batch_rank=0, cp_rank=0))

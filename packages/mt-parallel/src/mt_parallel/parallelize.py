@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from mt_models.layers.experts import GroupedExperts
 from mt_parallel.context_parallel import ContextParallelAttention, split_sample, zigzag_ranges
-from mt_parallel.dims import ParallelDims, check_ep_divides_experts
+from mt_parallel.dims import ParallelDims, check_cp_divides_seq_len, check_ep_divides_experts
 from mt_parallel.expert_parallel import apply_expert_parallel
 from mt_parallel.fsdp import apply_fsdp
 from mt_parallel.mesh import ParallelMesh, build_mesh
@@ -178,6 +178,8 @@ def rank_batch_slices(
         )
     per_rank = micro_batch // dims.batch_ranks
     seq_len = tokens.shape[1] - 1
+    if dims.cp > 1:  # here, where the world is known, so the cp sizes named fit it too
+        check_cp_divides_seq_len(dims.cp, seq_len, dims.world_size // (dims.pp * dims.ep))
     for start in range(0, tokens.shape[0], micro_batch):
         rows = tokens[start + batch_rank * per_rank : start + (batch_rank + 1) * per_rank]
         if dims.cp > 1:
