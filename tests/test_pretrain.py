@@ -347,3 +347,15 @@ def test_a_run_with_document_masking_trains(tmp_path):
     rows = _metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in rows)
+
+
+def test_a_run_resumed_with_another_seed_validates_on_the_batches_it_validated_on(tmp_path):
+    # A resumed run continues the checkpoint's data order whatever `seed` says; the held-out
+    # batches must stay those of the run too, or val_loss jumps at the resume.
+    validation = [f"validation.path={default_corpus_dir()}", "validation.interval=1"]
+    pretrain(_cfg(tmp_path / "whole", "training.max_steps=2", *validation))
+    pretrain(_cfg(tmp_path / "split", "training.max_steps=1", *validation))
+    pretrain(_cfg(tmp_path / "split", "training.max_steps=2", "seed=1", *validation))
+    whole, split = _metrics(tmp_path / "whole"), _metrics(tmp_path / "split")
+    assert [r["loss"] for r in split] == [r["loss"] for r in whole]
+    assert [r["val_loss"] for r in split] == [r["val_loss"] for r in whole]

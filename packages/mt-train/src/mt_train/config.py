@@ -203,7 +203,8 @@ class ValidationConfig:
         interval: evaluate every this many steps (and after the last); set exactly when
             `path` is (0 with a path, or a positive interval without one, is an error).
         steps: global batches (of `training.global_batch_size` sequences) per
-            evaluation; the same batches every time, so values are comparable.
+            evaluation; the same batches every time, so values are comparable (a
+            resumed run keeps its checkpoint's seed for them, as for its data order).
     """
 
     path: str = ""

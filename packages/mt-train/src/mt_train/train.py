@@ -366,6 +366,11 @@ def _resume(state: TrainState, checkpoint) -> None:
             f"cannot resume from {checkpoint.path}: {e}. The run's data.* values are in "
             "its train_state.json (config.data); use them, or a new run_dir"
         ) from None
+    if state.val_dataset is not None:
+        # The held-out batches are the run's own, drawn with its data seed (the checkpoint's,
+        # as the training order is), not a changed `seed`: else val_loss jumps at the resume.
+        state.val_dataset.load_state_dict({**state.val_start, "seed": state.dataset.seed})
+        state.val_start = state.val_dataset.state_dict()
     saved = load_checkpoint(checkpoint, state.model, state.optimizer)
     if state.fp8_cache is not None:
         state.fp8_cache.invalidate()  # the weights were overwritten in place
@@ -383,8 +388,8 @@ def _resume(state: TrainState, checkpoint) -> None:
         log.warning("config differs from the checkpoint; the new config wins: %s", diff)
         if "seed" in changed:
             log.warning(
-                "seed only seeds new runs: the data order and RNG state of a resumed run "
-                "continue from the checkpoint (seed %r)", old.get("seed")
+                "seed only seeds new runs: the data order, held-out batches and RNG state of a "
+                "resumed run continue from the checkpoint (seed %r)", old.get("seed")
             )  # fmt: skip
         _warn_if_micro_batches_regroup_the_balancing_loss(state, old, new)
     try:
