@@ -517,9 +517,9 @@ def test_resuming_with_another_seq_len_names_the_checkpoint_and_fails_before_loa
     assert loads == [], "the tensors were not read"
 
 
-def test_data_that_runs_out_mid_batch_leaves_that_batch_unread(tmp_path):
-    import json
-
+def _small_corpus(tmp_path):
+    """A corpus of a few dozen samples of the tiny recipe, and a global batch size that
+    does not divide them (the last batch is partial)."""
     from mt_data import TokenDataset, build_corpus
     from mt_data.default_corpus import default_tokenizer_path
 
@@ -528,12 +528,33 @@ def test_data_that_runs_out_mid_batch_leaves_that_batch_unread(tmp_path):
     corpus = tmp_path / "corpus"
     build_corpus([docs], default_tokenizer_path(), corpus, workers=0, progress=False)
     samples = TokenDataset(corpus, 64).num_samples
-    batch = next(b for b in range(2, samples) if samples % b)  # the last batch is partial
+    return corpus, samples, next(b for b in range(2, samples) if samples % b)
+
+
+def test_data_that_runs_out_mid_batch_leaves_that_batch_unread(tmp_path):
+    corpus, samples, batch = _small_corpus(tmp_path)
     run = tmp_path / "run"
     state = pretrain(_cfg(run, f"data.path={corpus}", "data.on_exhausted=stop",
                           f"training.global_batch_size={batch}", "training.micro_batch_size=1",
                           "training.max_steps=1000"))  # fmt: skip
     assert state.step == samples // batch
+    saved = json.loads((list_checkpoints(checkpoint_root(run))[-1].path
+                        / "train_state.json").read_text())  # fmt: skip
+    assert saved["data"]["consumed_samples"] == state.step * batch
+
+
+def test_a_run_that_runs_out_of_data_validates_its_last_step_and_reads_on_unchanged(tmp_path):
+    corpus, samples, batch = _small_corpus(tmp_path)
+    run = tmp_path / "run"
+    # Validation every 1000 steps: only the end of the run is due, which the data decides.
+    state = pretrain(_cfg(run, f"data.path={corpus}", "data.on_exhausted=stop",
+                          f"training.global_batch_size={batch}", "training.micro_batch_size=1",
+                          "training.max_steps=1000", f"validation.path={corpus}",
+                          "validation.interval=1000"))  # fmt: skip
+    # Every step looked whether a next batch exists, without consuming it.
+    assert state.step == samples // batch
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "val_loss" in r] == [state.step]
     saved = json.loads((list_checkpoints(checkpoint_root(run))[-1].path
                         / "train_state.json").read_text())  # fmt: skip
     assert saved["data"]["consumed_samples"] == state.step * batch

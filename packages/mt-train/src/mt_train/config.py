@@ -200,7 +200,8 @@ class ValidationConfig:
 
     Attributes:
         path: a corpus directory; empty disables validation.
-        interval: evaluate every this many steps (and after the last); set exactly when
+        interval: evaluate every this many steps and after the last (`training.max_steps`,
+            or the last the data allows under `data.on_exhausted='stop'`); set exactly when
             `path` is (0 with a path, or a positive interval without one, is an error).
         steps: global batches (of `training.global_batch_size` sequences) per
             evaluation; the same batches every time, so values are comparable (a

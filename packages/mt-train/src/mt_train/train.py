@@ -524,6 +524,26 @@ def next_microbatches(state: TrainState, dataset: TokenDataset | None = None) ->
     return microbatches
 
 
+def _data_runs_out(state: TrainState) -> bool:
+    """True when the run stops on exhausted data (``data.on_exhausted='stop'``) and the
+    next global batch is not there, so the step just run is the run's last.
+
+    It reads one token of each sample of that batch, if there is one, and puts the loader
+    back where it was; every rank gets the same answer.
+    """
+    dataset = state.dataset
+    if dataset.on_exhausted != "stop":
+        return False
+    position = dataset.state_dict()
+    try:
+        dataset.take(state.cfg.training.global_batch_size, token_ranges=[(0, 1)])
+    except DataExhausted:
+        return True
+    finally:
+        dataset.load_state_dict(position)
+    return False
+
+
 def train_step(
     state: TrainState, microbatches: list[MicroBatch], data_time_s: float = 0.0
 ) -> dict[str, Any]:
@@ -774,7 +794,11 @@ def _train(state: TrainState, stream: TextIO | None) -> TrainState:
                             "such steps"
                         ) from None
                 val = cfg.validation
-                if val.enabled and (state.step % val.interval == 0 or state.step == max_steps):
+                if val.enabled and (
+                    state.step % val.interval == 0
+                    or state.step == max_steps
+                    or _data_runs_out(state)  # the run's last step too
+                ):
                     step_metrics["val_loss"] = validate(state)
                 failure = None
                 try:  # rank 0 alone: its failure must reach the others (agree_to_stop)
