@@ -43,6 +43,19 @@ def test_a_skipped_steps_non_finite_numbers_are_written_as_strict_json_nulls(tmp
     assert lines[1] == {**row, "step": 2, "loss": None, "grad_norm": None, "aux_loss": None}
 
 
+def test_a_step_that_validated_prints_its_line_whatever_log_every(tmp_path):
+    stream = io.StringIO()
+    logger = MetricsLogger(tmp_path, max_steps=30, log_every=10, stream=stream)
+    row = {"loss": 2.5, "aux_loss": 0.01, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 10.0}
+    for step in range(1, 31):
+        logger.log({"step": step, **row, **({"val_loss": 2.0} if step in (5, 25) else {})})
+    logger.close()
+    lines = stream.getvalue().splitlines()
+    step_of = {line: line.split("/")[0].split()[-1] for line in lines}  # "step  5/30 [..."
+    assert [step_of[line] for line in lines] == ["5", "10", "20", "25", "30"]
+    assert [step_of[line] for line in lines if "| val 2.0000 |" in line] == ["5", "25"]
+
+
 class _FakeWandbRun:
     """Stands in for a resumed W&B run whose history already reaches a step."""
 

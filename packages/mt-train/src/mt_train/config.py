@@ -331,7 +331,8 @@ class JobConfig:
             "." for the current directory). A leading ``~`` is the home directory here and
             in `init_from` (no shell expands it in a TOML file).
         seed: seeds weight initialization and data shuffling.
-        log_every: print a console line every this many steps.
+        log_every: print a console line every this many steps (and at the last step and
+            every validation); metrics.jsonl gets every step.
         init_from: start a new run from these weights: a Hugging Face directory
             (config.json + safetensors) or an mt checkpoint (a ``step_N`` directory or
             one written by ``mt-train convert hf-to-mt``). Model weights only; the

@@ -58,7 +58,8 @@ class MetricsLogger:
         max_steps: the run's last step, for the progress bar and ETA.
         start_step: the step the run (re)starts from; lines of later steps left by an
             interrupted earlier run are dropped, so the file has one line per step.
-        log_every: print a console line every this many steps (always the last).
+        log_every: print a console line every this many steps (always the last, and
+            every step that carries a ``val_loss``).
         stream: where console lines go.
         sinks: more writers with ``log(metrics)`` and ``close()`` (see `build_sinks`).
     """
@@ -106,7 +107,8 @@ class MetricsLogger:
         for sink in self.sinks:
             sink.log(metrics)
         step = metrics["step"]
-        if step % self.log_every == 0 or step == self.max_steps:
+        # A validation's line is printed whatever log_every (as Megatron prints each one).
+        if step % self.log_every == 0 or step == self.max_steps or "val_loss" in metrics:
             print(self._console_line(metrics), file=self.stream, flush=True)
 
     def _console_line(self, m: dict[str, Any]) -> str:
