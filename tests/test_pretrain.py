@@ -359,3 +359,32 @@ def test_a_run_resumed_with_another_seed_validates_on_the_batches_it_validated_o
     whole, split = _metrics(tmp_path / "whole"), _metrics(tmp_path / "split")
     assert [r["loss"] for r in split] == [r["loss"] for r in whole]
     assert [r["val_loss"] for r in split] == [r["val_loss"] for r in whole]
+
+
+def _validate_then_save(root):
+    """Body of the two-rank test below: each run validates at every step and saves after."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    validation = [f"validation.path={default_corpus_dir()}", "validation.interval=1"]
+    # FSDP2 keeps the root's parameters gathered after a forward, and with
+    # reshard_after_forward=false every layer's: no backward follows validation's.
+    for name, layout in (("root", []), ("layers", ["parallel.reshard_after_forward=false"])):
+        run_dir = Path(root) / name
+        state = pretrain(_cfg(run_dir, "training.max_steps=2", "checkpoint.interval=1",
+                              "checkpoint.keep_last=2", *validation, *layout))  # fmt: skip
+        assert state.step == 2
+        if dist.get_rank() == 0:
+            assert [c.step for c in list_checkpoints(checkpoint_root(run_dir))] == [1, 2]
+            assert [r["step"] for r in _metrics(run_dir) if "val_loss" in r] == [1, 2]
+    dist.barrier()  # both ranks tear down together (gloo can abort on a peer gone early)
+
+
+def test_two_ranks_save_a_checkpoint_right_after_validating(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from mt_parallel.testing import spawn
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
+    spawn(_validate_then_save, 2, str(tmp_path))

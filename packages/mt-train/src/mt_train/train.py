@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from mt_data import DataExhausted, TokenDataset, default_corpus_dir
 from mt_models import build_model
@@ -650,6 +651,14 @@ def validate(state: TrainState) -> float:
                 ce_sum += out.ce_sum.double()
                 num_tokens += out.num_tokens
     state.model.train(was_training)
+    # FSDP2 keeps a module's parameters gathered after its forward when it does not
+    # reshard after forward (the root; every layer with parallel.reshard_after_forward=false)
+    # until a backward reshards them, and none follows here: a checkpoint saved next read
+    # the gathered tensors in place of the sharded ones the optimizer holds. Reshard (and
+    # free the gathered copies) now.
+    for module in state.model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
     return float(all_reduce(ce_sum)) / max(int(all_reduce(num_tokens)), 1)
 
 
