@@ -251,7 +251,7 @@ def _main(argv: list[str] | None) -> int:
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
-    from mt_train.distributed import RankFailedError
+    from mt_train.distributed import RankFailedError, leave_process_group
     from mt_train.train import NonFiniteError, pretrain
 
     try:
@@ -268,6 +268,7 @@ def _main(argv: list[str] | None) -> int:
             raise
         print(f"mt-train: error: {hint}", file=sys.stderr)
         return 1
+    leave_process_group()  # every rank finished (or stopped at one agreed step boundary)
     return 0
 
 
