@@ -380,7 +380,7 @@ def test_a_run_resumed_with_another_seed_validates_on_the_batches_it_validated_o
 
 
 def _validate_then_save(root):
-    """Body of the two-rank test below: each run validates at every step and saves after."""
+    """Body of the two-rank test below: each run validates its one step, then saves it."""
     from pathlib import Path
 
     import torch.distributed as dist
@@ -390,12 +390,11 @@ def _validate_then_save(root):
     # reshard_after_forward=false every layer's: no backward follows validation's.
     for name, layout in (("root", []), ("layers", ["parallel.reshard_after_forward=false"])):
         run_dir = Path(root) / name
-        state = pretrain(_cfg(run_dir, "training.max_steps=2", "checkpoint.interval=1",
-                              "checkpoint.keep_last=2", *validation, *layout))  # fmt: skip
-        assert state.step == 2
+        state = pretrain(_cfg(run_dir, "training.max_steps=1", *validation, *layout))
+        assert state.step == 1
         if dist.get_rank() == 0:
-            assert [c.step for c in list_checkpoints(checkpoint_root(run_dir))] == [1, 2]
-            assert [r["step"] for r in _metrics(run_dir) if "val_loss" in r] == [1, 2]
+            assert [c.step for c in list_checkpoints(checkpoint_root(run_dir))] == [1]
+            assert [r["step"] for r in _metrics(run_dir) if "val_loss" in r] == [1]
     dist.barrier()  # both ranks tear down together (gloo can abort on a peer gone early)
 
 
