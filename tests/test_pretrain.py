@@ -405,3 +405,26 @@ def test_two_ranks_save_a_checkpoint_right_after_validating(tmp_path, monkeypatc
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
     spawn(_validate_then_save, 2, str(tmp_path))
+
+
+def test_the_run_config_is_on_disk_before_it_replaces_the_old_one(tmp_path, monkeypatch):
+    from mt_train.train import setup
+
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", os.path.basename(src)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    setup(_cfg(tmp_path)).run_lock.close()
+    # Without the fsync a power loss after the rename can leave config.json empty.
+    ours = [e for e in events if e[1] == "config.json.tmp"]
+    assert ours == [("fsync", "config.json.tmp"), ("replace", "config.json.tmp")]
+    assert json.loads((tmp_path / "config.json").read_text())["run_dir"] == str(tmp_path)

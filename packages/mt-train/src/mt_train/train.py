@@ -453,7 +453,10 @@ def _check_same_family(checkpoint, saved_config: Any, cfg: JobConfig) -> None:
 
 def _write_json_atomic(path: Path, data: Any) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
+    with open(tmp, "w") as f:
+        f.write(json.dumps(data, indent=2))
+        f.flush()
+        os.fsync(f.fileno())  # else a power loss after the rename can leave it empty
     os.replace(tmp, path)
 
 
