@@ -67,7 +67,8 @@ class TrainingConfig:
         lr: peak learning rate.
         min_lr_ratio: the cosine decay ends at lr * min_lr_ratio.
         warmup_steps: linear warm-up steps from 0 to lr.
-        weight_decay: AdamW decoupled weight decay (not applied to norms or biases).
+        weight_decay: AdamW decoupled weight decay, on weight matrices only (embeddings and
+            routers included; not norms, biases or GPT-OSS's attention sinks).
         beta1: AdamW first-moment decay.
         beta2: AdamW second-moment decay.
         eps: AdamW epsilon.

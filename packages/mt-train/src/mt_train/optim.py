@@ -39,7 +39,7 @@ def lr_at(step: int, cfg: TrainingConfig) -> float:
 def build_optimizer(
     model: nn.Module, cfg: TrainingConfig, *, fused: bool | None = None
 ) -> torch.optim.AdamW:
-    """Builds AdamW with weight decay on matrices only (not on norms, biases).
+    """Builds AdamW with weight decay on matrices only (not on norms, biases or sinks).
 
     A bias is named ``*.bias`` whatever its shape: GPT-OSS's expert biases are [E, O].
 
