@@ -214,3 +214,25 @@ def test_shards_whose_sequences_are_not_back_to_back_are_refused(corpus, monkeyp
     idx.write_bytes(bytes(raw))
     with pytest.raises(ValueError, match="not stored back to back"):
         TokenDataset(data_dir, SEQ_LEN)
+
+
+def test_a_shard_that_disagrees_with_the_manifest_is_refused_naming_it(tmp_path):
+    from mt_data import build_corpus
+    from mt_data.default_corpus import default_tokenizer_path
+
+    corpora = {}
+    for name, texts in (("old", ["def f(x):\n    return x\n"] * 3), ("new", ["print(1)"] * 9)):
+        (tmp_path / name).mkdir()
+        source = tmp_path / name / "x.jsonl"  # one stem: both build a shard named x
+        source.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+        corpora[name] = tmp_path / f"{name}-corpus"
+        build_corpus([source], default_tokenizer_path(), corpora[name], workers=0, progress=False)
+    for suffix in (".bin", ".idx"):  # say the shard of another build copied in by hand
+        (corpora["old"] / f"x{suffix}").write_bytes((corpora["new"] / f"x{suffix}").read_bytes())
+    with pytest.raises(ValueError) as err:
+        TokenDataset(corpora["old"], 4)
+    message = str(err.value)
+    assert f"{corpora['old'] / 'x.idx'} holds 9 documents" in message
+    assert f"{corpora['old'] / 'manifest.json'} lists 3 documents" in message
+    assert "rebuild the corpus" in message
+    assert TokenDataset(corpora["new"], 4).num_samples > 0

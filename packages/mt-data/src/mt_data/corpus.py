@@ -24,6 +24,7 @@ import os
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -127,6 +128,46 @@ def resolve_shards(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
     return prefixes
 
 
+def _check_manifest_counts(shards: Sequence[IndexedDataset]) -> None:
+    """Raise if a shard's documents, tokens or dtype differ from what its directory's
+    manifest.json lists for it (a shard of another build copied in, say): the manifest's
+    vocabulary and EOS would then describe tokens it did not write."""
+    manifests: dict[Path, dict[str, Any]] = {}
+    for shard in shards:
+        directory = shard.idx_path.parent
+        if directory not in manifests:
+            manifest = read_manifest(directory) or {}
+            listed = manifest.get("shards")
+            entries = listed if isinstance(listed, list) else []
+            manifests[directory] = {
+                "dtype": manifest.get("dtype"),
+                "shards": {e.get("name"): e for e in entries if isinstance(e, dict)},
+            }
+        manifest = manifests[directory]
+        entry = manifest["shards"].get(shard.idx_path.stem)
+        if entry is None:
+            continue  # a Megatron shard, or one a warning already named as not listed
+        found = {
+            "documents": len(shard),
+            "tokens": shard.num_tokens,
+            "dtype": str(shard.dtype),
+        }
+        listed = {
+            "documents": entry.get("documents"),
+            "tokens": entry.get("tokens"),
+            "dtype": manifest["dtype"],
+        }
+        if any(listed[k] is not None and listed[k] != found[k] for k in found):
+            raise ValueError(
+                f"{shard.idx_path} holds {found['documents']} documents and "
+                f"{found['tokens']} {found['dtype']} tokens, but {directory / MANIFEST_NAME} "
+                f"lists {listed['documents']} documents and {listed['tokens']} "
+                f"{listed['dtype']} tokens for it: the shard is not the one this build "
+                "wrote (copied from another build?); rebuild the corpus (rerun its "
+                "`mt-data build` command) or copy the whole directory, manifest included"
+            )
+
+
 class PackedCorpus:
     """Shards read as one stream of samples of `seq_len + 1` tokens.
 
@@ -135,13 +176,15 @@ class PackedCorpus:
         seq_len: Tokens per training sequence; a sample holds `seq_len + 1`.
 
     Raises:
-        ValueError: If there are no shards, a shard is unreadable or not contiguous, or
-            the corpus has fewer than `seq_len + 1` tokens.
+        ValueError: If there are no shards, a shard is unreadable, not contiguous or not
+            what its directory's manifest.json lists, or the corpus has fewer than
+            `seq_len + 1` tokens.
     """
 
     def __init__(self, paths: Sequence[str | os.PathLike[str]], seq_len: int) -> None:
         self.seq_len = seq_len
         self.shards = [IndexedDataset(p) for p in resolve_shards(paths)]
+        _check_manifest_counts(self.shards)
         self._streams = [self._token_stream(shard) for shard in self.shards]
         lengths = np.array([len(s) for s in self._streams], dtype=np.int64)
         # shard_starts[i]: position of shard i's first token in the stream; [-1] = total.
