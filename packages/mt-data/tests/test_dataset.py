@@ -106,7 +106,9 @@ def test_take_resumes_exactly_from_state(corpus):
         "seq_len": SEQ_LEN,
         "on_exhausted": "repeat",
         "epoch": 1,
-        "corpora": [{"num_samples": 10, "weight": 1.0, "consumed_samples": 18, "epoch": 1}],
+        "corpora": [
+            {"num_samples": 10, "num_tokens": 82, "weight": 1.0, "consumed_samples": 18, "epoch": 1}
+        ],
     }
 
     resumed = TokenDataset(corpus[0], SEQ_LEN, seed=999)  # the state's seed wins
@@ -236,3 +238,23 @@ def test_a_shard_that_disagrees_with_the_manifest_is_refused_naming_it(tmp_path)
     assert f"{corpora['old'] / 'manifest.json'} lists 3 documents" in message
     assert "rebuild the corpus" in message
     assert TokenDataset(corpora["new"], 4).num_samples > 0
+
+
+def test_a_state_of_a_corpus_rebuilt_since_with_as_many_samples_is_refused(corpus):
+    data_dir, stream = corpus
+    dataset = TokenDataset(data_dir, SEQ_LEN, seed=2)
+    dataset.take(3)
+    state = json.loads(json.dumps(dataset.state_dict()))
+    with IndexedDatasetWriter(data_dir / "c", np.uint16) as writer:  # one document more
+        for tokens in (*np.split(stream[22:], np.cumsum([4, 31, 3, 10])), [7, 7, 0]):
+            writer.add_document(tokens)
+    rebuilt = TokenDataset(data_dir, SEQ_LEN)
+    assert rebuilt.num_tokens == len(stream) + 3
+    assert rebuilt.num_samples == dataset.num_samples  # the sample count alone cannot tell
+    with pytest.raises(ValueError, match=r"num_tokens 82 .* now holds 85: the corpus changed"):
+        rebuilt.load_state_dict(state)
+    assert rebuilt.consumed_samples == 0
+    saved = state["corpora"][0]
+    older = {**state, "corpora": [{k: v for k, v in saved.items() if k != "num_tokens"}]}
+    rebuilt.load_state_dict(older)  # a state saved before num_tokens was kept still loads
+    assert rebuilt.consumed_samples == 3

@@ -357,8 +357,8 @@ class TokenDataset:
 
         Returns:
             `version`, `consumed_samples` (all ranks, all corpora), `seed`, `seq_len`,
-            `on_exhausted`, `epoch`, and per corpus its `num_samples`, `weight`,
-            `consumed_samples` and `epoch`.
+            `on_exhausted`, `epoch`, and per corpus its `num_samples`, `num_tokens`,
+            `weight`, `consumed_samples` and `epoch`.
         """
         return {
             "version": STATE_VERSION,
@@ -370,6 +370,7 @@ class TokenDataset:
             "corpora": [
                 {
                     "num_samples": packed.num_samples,
+                    "num_tokens": packed.num_tokens,
                     "weight": float(self.weights[c]),
                     "consumed_samples": int(self._consumed_C[c]),
                     "epoch": int(self._consumed_C[c] // packed.num_samples),
@@ -389,8 +390,8 @@ class TokenDataset:
 
         Raises:
             ValueError: If the state is of another version or lacks a key `state_dict()`
-                writes, or `seq_len`, the corpora, their sizes or weights differ from
-                this dataset's.
+                writes, or `seq_len`, the corpora, their sizes (samples, and tokens where
+                the state has them) or weights differ from this dataset's.
         """
         if state.get("version") != STATE_VERSION:
             raise ValueError(
@@ -428,6 +429,15 @@ class TokenDataset:
                     f"{self._describe(c)}, which now gives {packed.num_samples} with seq_len "
                     f"{self.seq_len}: the corpus changed; resume with the original corpus or "
                     "start a new run"
+                )
+            # Absent from states saved before it was kept (same version: they still load).
+            saved_tokens = saved.get("num_tokens")
+            if saved_tokens is not None and int(saved_tokens) != packed.num_tokens:
+                raise ValueError(
+                    f"data loader state has num_tokens {saved_tokens} for {self._describe(c)}, "
+                    f"which now holds {packed.num_tokens}: the corpus changed (rebuilt from "
+                    "other inputs?) and its samples would not continue the run's; resume "
+                    "with the original corpus or start a new run"
                 )
             if not np.isclose(float(saved["weight"]), self.weights[c], rtol=1e-9, atol=0):
                 raise ValueError(
