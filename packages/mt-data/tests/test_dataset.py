@@ -258,3 +258,27 @@ def test_a_state_of_a_corpus_rebuilt_since_with_as_many_samples_is_refused(corpu
     older = {**state, "corpora": [{k: v for k, v in saved.items() if k != "num_tokens"}]}
     rebuilt.load_state_dict(older)  # a state saved before num_tokens was kept still loads
     assert rebuilt.consumed_samples == 3
+
+
+def test_putting_the_loader_back_keeps_its_shuffle_and_a_new_seed_replaces_it(corpus, monkeypatch):
+    from mt_data.shuffle import IndexPermutation
+
+    evaluated = []
+    original = IndexPermutation.__call__
+    monkeypatch.setattr(
+        IndexPermutation, "__call__", lambda self, p: evaluated.append(1) or original(self, p)
+    )
+    dataset = TokenDataset(corpus[0], SEQ_LEN, seed=6)
+    dataset.take(2)
+    before = len(evaluated)
+    for _ in range(3):  # mt-train's look-ahead: take, then put the position back
+        position = dataset.state_dict()
+        looked = dataset.take(2, token_ranges=[(0, 1)])
+        dataset.load_state_dict(position)
+        np.testing.assert_array_equal(dataset.take(2)[:, :1], looked)
+    assert len(evaluated) == before  # the order was computed once (it took ~2 ms a step)
+    reseeded = {**dataset.state_dict(), "seed": 7}
+    dataset.load_state_dict(reseeded)
+    fresh = TokenDataset(corpus[0], SEQ_LEN, seed=7)
+    fresh.load_state_dict(reseeded)
+    np.testing.assert_array_equal(dataset.take(4), fresh.take(4))

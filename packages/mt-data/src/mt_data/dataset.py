@@ -452,9 +452,10 @@ class TokenDataset:
             )
         self.consumed_samples = int(state["consumed_samples"])
         self._consumed_C = np.array(consumed, dtype=np.int64)
+        if seed != self.seed:  # the cached orders are the old seed's
+            self._permutations.clear()
+            self._blocks.clear()
         self.seed = seed
-        self._permutations.clear()  # the seed may have changed
-        self._blocks.clear()
 
     def __repr__(self) -> str:
         return (
