@@ -211,3 +211,19 @@ def test_a_shard_holds_two_file_descriptors_and_running_out_is_a_clear_error(tmp
             shards += [IndexedDataset(tmp_path / "s") for _ in range(3)]
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.parametrize(
+    ("document_indices", "named"),
+    [([], "no document index"), ([1, 2], "starts at 1"), ([0, 3], "ends at 3")],
+)
+def test_an_index_whose_document_index_is_impossible_is_refused_naming_it(
+    tmp_path, document_indices, named
+):
+    idx, _ = _write(tmp_path)  # one sequence: its document index is [0, 1]
+    raw = idx.read_bytes()
+    header = raw[:26] + struct.pack("<Q", len(document_indices))
+    body = raw[34 : 34 + 12] + struct.pack(f"<{len(document_indices)}q", *document_indices)
+    idx.write_bytes(header + body)  # the sizes agree: only the values are wrong
+    with pytest.raises(ValueError, match=rf"s\.idx: .*{named}.*rebuild the shard"):
+        IndexedDataset(tmp_path / "s")

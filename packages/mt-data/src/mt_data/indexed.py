@@ -363,8 +363,9 @@ class IndexedDataset:
 
     Raises:
         FileNotFoundError: If either file is missing.
-        ValueError: If the index has a bad magic, version or dtype code, either file is
-            truncated, or the process may open no more files.
+        ValueError: If the index has a bad magic, version or dtype code, an impossible
+            document index, either file is truncated, or the process may open no more
+            files.
     """
 
     def __init__(self, path_prefix: str | Path) -> None:
@@ -414,6 +415,22 @@ class IndexedDataset:
         self.sequence_pointers = self._index_array(index, np.int64, offset, num_sequences)
         offset += 8 * num_sequences
         self.document_indices = self._index_array(index, np.int64, offset, num_doc_indices)
+        # Every Megatron writer starts the document index at 0 and ends it at a sequence
+        # count (the last, unless sequences were added after the last document); other
+        # values make document boundaries index out of range. Two reads, not a scan.
+        if not num_doc_indices:
+            problem = "it has no document index (Megatron's starts with 0)"
+        elif self.document_indices[0] != 0:
+            problem = f"its document index starts at {self.document_indices[0]}, not 0"
+        elif not 0 <= self.document_indices[-1] <= num_sequences:
+            problem = (
+                f"its document index ends at {self.document_indices[-1]}, past its "
+                f"{num_sequences} sequences"
+            )
+        else:
+            problem = None
+        if problem is not None:
+            raise ValueError(f"{self.idx_path}: {problem}; the file is corrupt, rebuild the shard")
 
         self.num_tokens = int(self.sequence_lengths.sum(dtype=np.int64))
         bin_size = self.bin_path.stat().st_size
