@@ -282,3 +282,18 @@ def test_putting_the_loader_back_keeps_its_shuffle_and_a_new_seed_replaces_it(co
     fresh = TokenDataset(corpus[0], SEQ_LEN, seed=7)
     fresh.load_state_dict(reseeded)
     np.testing.assert_array_equal(dataset.take(4), fresh.take(4))
+
+
+def test_a_hand_written_manifest_is_checked_by_the_names_it_is_read_by(corpus):
+    data_dir, _ = corpus
+    (data_dir / "b.idx").unlink()  # shards a and c remain
+    (data_dir / "b.bin").unlink()
+    (data_dir / "c.idx").rename(data_dir / "7.idx")  # a name JSON may hold as a number
+    (data_dir / "c.bin").rename(data_dir / "7.bin")
+    shards = [{"name": "a", "tokens": 22}, {"name": 7, "tokens": 60}]
+    (data_dir / "manifest.json").write_text(json.dumps({"shards": shards}))
+    assert TokenDataset(data_dir, SEQ_LEN).num_tokens == 82
+    shards[1]["tokens"] = 59
+    (data_dir / "manifest.json").write_text(json.dumps({"shards": shards}))
+    with pytest.raises(ValueError, match=r"7\.idx holds 5 documents and 60 uint16 tokens"):
+        TokenDataset(data_dir, SEQ_LEN)

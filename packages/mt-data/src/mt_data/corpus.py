@@ -141,7 +141,7 @@ def _check_manifest_counts(shards: Sequence[IndexedDataset]) -> None:
             entries = listed if isinstance(listed, list) else []
             manifests[directory] = {
                 "dtype": manifest.get("dtype"),
-                "shards": {e.get("name"): e for e in entries if isinstance(e, dict)},
+                "shards": {str(e.get("name")): e for e in entries if isinstance(e, dict)},
             }
         manifest = manifests[directory]
         entry = manifest["shards"].get(shard.idx_path.stem)
