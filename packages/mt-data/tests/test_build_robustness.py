@@ -513,3 +513,28 @@ def test_an_interrupt_while_a_shard_is_opened_leaves_no_temporaries(tmp_path, mo
     with pytest.raises(KeyboardInterrupt):
         build_corpus([path], default_tokenizer_path(), out, workers=0, progress=False)
     assert sorted(p.name for p in out.glob("*") if ".tmp" in p.name) == []
+
+
+def test_inspect_decodes_only_the_shown_start_of_a_long_document(tmp_path, monkeypatch):
+    import mt_data.inspection
+    from mt_data import IndexedDatasetWriter
+    from mt_data.tokenizer import read_tokenizer
+
+    plain, _ = read_tokenizer(default_tokenizer_path())
+    ids = plain.encode("".join(f"value_{i} = 'é{i}'\n" for i in range(20_000))).ids
+    with IndexedDatasetWriter(tmp_path / "book", np.uint16) as writer:
+        writer.add_document(ids)  # one document of ~200k tokens, say a book
+    decoded: list[int] = []
+
+    class Spy:
+        def decode(self, tokens, **kwargs):
+            decoded.append(len(tokens))
+            return plain.decode(tokens, **kwargs)
+
+    monkeypatch.setattr(mt_data.inspection, "read_tokenizer", lambda path: (Spy(), path))
+    for characters in (0, 1, 50, 3000):
+        decoded.clear()
+        report = inspect_corpus(tmp_path / "book", tokenizer="x", characters=characters)
+        full = plain.decode(ids, skip_special_tokens=False)
+        assert report.endswith(f"sequence 0: {len(ids)} tokens ---\n{full[:characters]}...")
+        assert sum(decoded) <= 4 * characters + 64  # was every token of the document

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from mt_data.corpus import resolve_shards
 from mt_data.indexed import IndexedDataset
@@ -11,6 +14,23 @@ from mt_data.manifest import file_sha256, read_manifest
 from mt_data.tokenizer import read_tokenizer
 
 __all__ = ["inspect_corpus"]
+
+
+def _decode_start(decoder: Any, tokens: np.ndarray, characters: int) -> str:
+    """The first `characters` characters of a sequence's text, "..." after them if it
+    has more, decoding only a start of the sequence (a whole book took seconds and GBs).
+
+    The start grows until its text is longer than `characters + 1`: only its last
+    character may differ from the whole sequence's text (a character cut in two).
+    """
+    count = characters + 2
+    while True:
+        text = decoder.decode(tokens[:count].tolist(), skip_special_tokens=False)
+        if count >= len(tokens):
+            return text[:characters] + ("..." if len(text) > characters else "")
+        if len(text) > characters + 1:
+            return text[:characters] + "..."
+        count *= 2
 
 
 def inspect_corpus(
@@ -87,10 +107,8 @@ def inspect_corpus(
         for i in range(len(shard)):
             if shown >= documents:
                 break
-            ids = shard[i].tolist()
-            text = decoder.decode(ids, skip_special_tokens=False)
-            more = "..." if len(text) > characters else ""
-            lines.append(f"--- {shard.idx_path.stem} sequence {i}: {len(ids)} tokens ---")
-            lines.append(text[:characters] + more)
+            tokens = shard[i]
+            lines.append(f"--- {shard.idx_path.stem} sequence {i}: {len(tokens)} tokens ---")
+            lines.append(_decode_start(decoder, tokens, characters))
             shown += 1
     return "\n".join(lines)
