@@ -297,3 +297,20 @@ def test_a_hand_written_manifest_is_checked_by_the_names_it_is_read_by(corpus):
     (data_dir / "manifest.json").write_text(json.dumps({"shards": shards}))
     with pytest.raises(ValueError, match=r"7\.idx holds 5 documents and 60 uint16 tokens"):
         TokenDataset(data_dir, SEQ_LEN)
+
+
+def test_a_shard_with_a_negative_sequence_length_is_refused_naming_it(tmp_path):
+    import struct
+
+    # A corrupt index (or a writer that wrapped a length past 2**31 into int32) whose
+    # pointers agree with its lengths looked back to back, with a token count that was off.
+    lengths = np.array([30, -5, 5], dtype="<i4")
+    pointers = 2 * (np.cumsum(lengths.astype(np.int64)) - lengths)
+    header = struct.pack("<9sQBQQ", b"MMIDIDX\x00\x00", 1, 8, 3, 4)
+    (tmp_path / "s.idx").write_bytes(
+        header + lengths.tobytes() + pointers.astype("<i8").tobytes()
+        + np.arange(4, dtype="<i8").tobytes()
+    )  # fmt: skip
+    (tmp_path / "s.bin").write_bytes(np.arange(30, dtype=np.uint16).tobytes())
+    with pytest.raises(ValueError, match=r"s\.idx: sequence 1 has length -5"):
+        TokenDataset(tmp_path, 4)

@@ -209,6 +209,14 @@ class PackedCorpus:
         contiguous = True
         for first in range(0, len(shard), _CHECK_CHUNK):
             lengths = shard.sequence_lengths[first : first + _CHECK_CHUNK].astype(np.int64)
+            # The pointer check below passes a negative length the pointers were derived from.
+            if len(lengths) and lengths.min() < 0:
+                bad = first + int(np.argmax(lengths < 0))
+                raise ValueError(
+                    f"{shard.idx_path}: sequence {bad} has length {lengths[bad - first]} (a "
+                    "corrupt index, or a length past 2**31 wrapped around by its writer); "
+                    "rebuild the shard, splitting such documents"
+                )
             starts = np.cumsum(lengths) - lengths + offset
             if not np.array_equal(shard.sequence_pointers[first : first + len(lengths)],
                                   starts * item):  # fmt: skip
