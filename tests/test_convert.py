@@ -102,6 +102,29 @@ def test_hf_to_mt_to_hf_keeps_a_bfloat16_deepseek_fp32_router(tmp_path):
     assert json.loads((tmp_path / "back" / "config.json").read_text())["dtype"] == "bfloat16"
 
 
+def test_generate_runs_a_bfloat16_deepseek_with_its_fp32_routers_as_stored(tmp_path):
+    # hf-to-mt keeps the fp32 gate.weight transformers saves in a bfloat16 DeepSeek-V2, but
+    # generate cast the whole model to the embedding's dtype: the routers were rounded to
+    # bfloat16 and routed otherwise than transformers' (and load_hf's) model.
+    from safetensors.torch import load_file, save_file
+
+    from mt_train.generate import load_checkpoint_model
+
+    original = tmp_path / "hf"
+    _write_hf(FAMILIES["deepseek_v2"], original, torch.bfloat16)
+    tensors = load_file(original / "model.safetensors")
+    gates = [k for k in tensors if k.endswith("mlp.gate.weight")]
+    assert gates
+    for key in gates:
+        tensors[key] = tensors[key].float() + 1e-4  # fp32 values no bfloat16 holds
+    save_file(tensors, original / "model.safetensors", metadata={"format": "pt"})
+    assert main(["convert", "hf-to-mt", "--hf", str(original), "--out", str(tmp_path / "mt")]) == 0
+    params = load_checkpoint_model(tmp_path / "mt").canonical_parameters()
+    assert sorted(params) == sorted(tensors)
+    for key, tensor in tensors.items():
+        assert params[key].dtype == tensor.dtype and torch.equal(params[key], tensor), key
+
+
 @pytest.fixture(scope="module")
 def mt_checkpoint(tmp_path_factory):
     """A model-only mt checkpoint of the tiny GPT-OSS config (stacked experts on export);

@@ -434,26 +434,28 @@ def load_hf(
             model = MODEL_FAMILIES[hub.family][1](hub.config)
         model.to(dtype)  # on meta, so to_empty allocates the model once, in dtype
         if keep_stored_routers:
-            _keep_fp32_routers(model, hub.headers)
+            keep_fp32_routers(model, {k for k, v in hub.headers.items() if v.dtype == "F32"})
         _check_against_model(path, hub.family, hub.hub_tensors, model.canonical_parameters())
         model.to_empty(device=device)
         hub.copy_into(model.canonical_parameters(), dtype)
     return model
 
 
-def _keep_fp32_routers(model: CausalLM, headers: dict[str, _Stored]) -> None:
-    """Turns (on meta) each router parameter the checkpoint stores in fp32 back to fp32.
+def keep_fp32_routers(model: CausalLM, fp32_keys: set[str]) -> None:
+    """Turns (on meta) each router parameter stored in fp32 back to fp32.
+
+    transformers keeps DeepSeek-V2's ``gate.weight`` fp32 in a bfloat16 model and saves it
+    so; a model cast whole to bfloat16 would round it and route otherwise.
 
     Args:
         model: The meta-device model, already in the load dtype.
-        headers: Stored key → ``_Stored`` (router keys are Hub keys in every family).
+        fp32_keys: Keys (Hub or canonical: router keys are the same in both) stored in fp32.
     """
     for prefix, module in model.named_modules():
         if not isinstance(module, TopKRouter):
             continue
         for name, param in list(module.named_parameters(recurse=False)):
-            stored = headers.get(f"{prefix}.{name}")
-            if stored is not None and stored.dtype == "F32" and param.dtype != torch.float32:
+            if f"{prefix}.{name}" in fp32_keys and param.dtype != torch.float32:
                 module.register_parameter(
                     name, torch.nn.Parameter(param.float(), requires_grad=param.requires_grad)
                 )

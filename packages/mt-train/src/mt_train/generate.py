@@ -17,7 +17,8 @@ import torch
 
 from mt_data import default_tokenizer_path
 from mt_data.tokenizer import load_tokenizer
-from mt_models import MODEL_FAMILIES
+from mt_models import MODEL_FAMILIES, CausalLM
+from mt_models.hf_io import keep_fp32_routers
 from mt_train.convert import checkpoint_model_config, read_mt_checkpoint, training_tokenizer
 
 if TYPE_CHECKING:
@@ -72,6 +73,31 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
         return tokenizer.encode(prompt).ids
     finally:
         tokenizer.encode_special_tokens = saved
+
+
+def load_checkpoint_model(checkpoint: str | Path, device: str = "cpu") -> CausalLM:
+    """The model of an mt checkpoint, in eval mode: parameters in the embedding's dtype,
+    router weights stored in fp32 (a bfloat16 DeepSeek-V2 from transformers) in fp32.
+
+    Args:
+        checkpoint: an mt checkpoint (a run's ``step_N`` or ``convert hf-to-mt`` output).
+        device: where the parameters live.
+
+    Returns:
+        The model.
+    """
+    model_config, canonical = read_mt_checkpoint(checkpoint)
+    family = next(n for n, (cls, _) in MODEL_FAMILIES.items() if isinstance(model_config, cls))
+    with torch.device("meta"):
+        model = MODEL_FAMILIES[family][1](model_config)
+    # On meta, so to_empty allocates once; fp32 routers of a bfloat16 model stay fp32.
+    model.to(canonical["model.embed_tokens.weight"].dtype)
+    keep_fp32_routers(model, {k for k, v in canonical.items() if v.dtype == torch.float32})
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for key, target in model.canonical_parameters().items():
+            target.copy_(canonical[key])
+    return model.eval()
 
 
 def generate(
@@ -135,16 +161,7 @@ def generate(
             f"tokenizer {tokenizer_path} ({tokenizer.vocab_size} tokens) is not the model's; "
             f"copy the model's tokenizer.json into {checkpoint}"
         )
-    model_config, canonical = read_mt_checkpoint(checkpoint)
-    family = next(n for n, (cls, _) in MODEL_FAMILIES.items() if isinstance(model_config, cls))
-    with torch.device("meta"):
-        model = MODEL_FAMILIES[family][1](model_config)
-    model.to_empty(device=device)
-    model.to(canonical["model.embed_tokens.weight"].dtype)
-    with torch.no_grad():
-        for key, target in model.canonical_parameters().items():
-            target.copy_(canonical[key])
-    model.eval()
+    model = load_checkpoint_model(checkpoint, device)
     generator = torch.Generator().manual_seed(seed)
     new = []
     with torch.no_grad():
