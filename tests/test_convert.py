@@ -391,6 +391,34 @@ def test_a_checkpoint_whose_corpus_tokenizer_is_not_found_is_an_error_not_anothe
         convert.training_tokenizer(checkpoint)
 
 
+def test_generate_puts_the_space_a_metaspace_tokenizer_decodes_between_prompt_and_new_text(
+    tmp_path, mt_checkpoint, monkeypatch
+):
+    # generate returned prompt + decode(new tokens); a sentencepiece-style (Metaspace)
+    # decoder drops the space of the first token it decodes, so "Hello" and "▁world"
+    # came back as "Helloworld".
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    import mt_train.generate
+
+    vocab = {"▁Hello": 0, "▁world": 1, "▁again": 2, "<|endoftext|>": 3}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    checkpoint = tmp_path / "model_only"
+    shutil.copytree(mt_checkpoint, checkpoint)
+    tokenizer.save(str(checkpoint / "tokenizer.json"))
+    script = iter([1, 2, 3])  # world, again, EOS
+
+    def model(input_ids):
+        logits = torch.zeros(1, input_ids.shape[1], len(vocab))
+        logits[0, -1, next(script)] = 1.0
+        return logits
+
+    monkeypatch.setattr(mt_train.generate, "load_checkpoint_model", lambda *args: model)
+    assert mt_train.generate.generate(checkpoint, "Hello") == "Hello world again"
+
+
 def test_generate_with_a_tokenizer_larger_than_the_model_names_the_token_before_reading_weights(
     tmp_path, mt_checkpoint, capsys, monkeypatch
 ):

@@ -75,6 +75,29 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
         tokenizer.encode_special_tokens = saved
 
 
+def decode_continuation(tokenizer: Tokenizer, prompt_ids: list[int], new_ids: list[int]) -> str:
+    """The text that new tokens add after a prompt's.
+
+    Decoded together with the prompt, then the prompt's text cut off: a decoder that treats
+    the first token it sees specially (sentencepiece's Metaspace drops its leading space,
+    a WordLevel one joins tokens with spaces) would otherwise glue the new text to the
+    prompt ("Hello" + "▁world" → "Helloworld").
+
+    Args:
+        tokenizer: the tokenizer of both.
+        prompt_ids: the prompt's ids.
+        new_ids: the ids generated after them.
+
+    Returns:
+        The new text, with the separator the decoder puts before it.
+    """
+    head = tokenizer.decode(prompt_ids)
+    whole = tokenizer.decode(prompt_ids + new_ids)
+    if whole.startswith(head):
+        return whole[len(head) :]
+    return tokenizer.decode(new_ids)  # a decoder that rewrites the prompt's end: alone
+
+
 def load_checkpoint_model(checkpoint: str | Path, device: str = "cpu") -> CausalLM:
     """The model of an mt checkpoint, in eval mode: parameters in the embedding's dtype,
     router weights stored in fp32 (a bfloat16 DeepSeek-V2 from transformers) in fp32.
@@ -172,4 +195,4 @@ def generate(
             if token == tokenizer.eos_id:
                 break
             new.append(token)
-    return prompt + tokenizer.tokenizer.decode(new)
+    return prompt + decode_continuation(tokenizer.tokenizer, ids, new)
