@@ -545,6 +545,42 @@ def test_init_from_a_mismatched_model_names_the_parameter_and_shapes(tmp_path):
         pretrain(resolve_config(get_recipe("tiny"), overrides=overrides))
 
 
+@pytest.mark.parametrize("source", ["hf", "mt"])
+def test_init_from_a_mismatched_model_names_the_config_fields_that_differ_and_the_fix(
+    tmp_path, source
+):
+    # The errors named a tensor and its shapes (or a list of missing experts), never the
+    # recipe's model fields that made them differ from the source's.
+    cfg = resolve_config(get_recipe("tiny"))
+    _write_hf(cfg.model, tmp_path / "hf", torch.float32)
+    if source == "mt":
+        assert main(["convert", "hf-to-mt", "--hf", str(tmp_path / "hf"),
+                     "--out", str(tmp_path / "mt")]) == 0
+    for field, value in (("hidden_size", 32), ("num_experts", 4),
+                         ("tie_word_embeddings", True)):  # fmt: skip
+        overrides = [f"model.{field}={json.dumps(value)}", f"run_dir={tmp_path / field}",
+                     f"init_from={tmp_path / source}"]  # fmt: skip
+        with pytest.raises(ValueError) as err:
+            setup(resolve_config(get_recipe("tiny"), overrides=overrides))
+        theirs = getattr(cfg.model, field)
+        assert f"differs from init_from's in {field} ({json.dumps(theirs)} there, " \
+            f"{json.dumps(value)} here)" in str(err.value), err.value
+        assert f"override model.{field}={json.dumps(theirs)}" in str(err.value), err.value
+
+
+def test_init_from_an_mt_checkpoint_of_another_family_names_both_families(tmp_path):
+    # A Hugging Face source of another family was named so; an mt checkpoint's failed as a
+    # list of missing tensors.
+    _write_hf(FAMILIES["gpt_oss"], tmp_path / "hf", torch.float32)
+    assert main(["convert", "hf-to-mt", "--hf", str(tmp_path / "hf"),
+                 "--out", str(tmp_path / "mt")]) == 0
+    for source in ("hf", "mt"):
+        overrides = [f"run_dir={tmp_path / 'run'}", f"init_from={tmp_path / source}"]
+        with pytest.raises(ValueError, match=r"holds a gpt_oss model but the model is "
+                           r"qwen3_moe; choose a model of the checkpoint's family"):  # fmt: skip
+            setup(resolve_config(get_recipe("tiny"), overrides=overrides))
+
+
 def test_a_wrong_init_from_fails_before_the_model_is_built_or_run_dir_made(tmp_path, monkeypatch):
     import mt_train.train
 

@@ -347,23 +347,39 @@ def _open_shard(file: Path, stack: ExitStack) -> Any:
         ) from None
 
 
+def read_hf_config(path: str | Path) -> tuple[str, Any]:
+    """The family and model config of a Hub checkpoint directory's ``config.json``.
+
+    Args:
+        path: The checkpoint directory.
+
+    Returns:
+        (family name, family config).
+
+    Raises:
+        ValueError: naming the directory or file when config.json is missing, not a JSON
+            object, or describes no model this version builds.
+    """
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"{path} has no config.json: load_hf reads a local checkpoint directory; for a "
+            f"Hub repo id, download it first (huggingface-cli download {path} --local-dir "
+            "<dir>) and pass that directory"
+        )
+    data = _read_json_object(path / "config.json")
+    try:
+        return family_of_hf_config(data), config_from_hf(data)
+    except ValueError as err:
+        raise ValueError(f"{path / 'config.json'}: {err}") from None
+
+
 class _HubCheckpoint:
     """An open Hub checkpoint directory: family, config and tensor headers, no data read."""
 
     def __init__(self, path: Path, stack: ExitStack):
         self.path = path
-        if not (path / "config.json").is_file():
-            raise ValueError(
-                f"{path} has no config.json: load_hf reads a local checkpoint directory; for a "
-                f"Hub repo id, download it first (huggingface-cli download {path} --local-dir "
-                "<dir>) and pass that directory"
-            )
-        data = _read_json_object(path / "config.json")
-        try:
-            self.family = family_of_hf_config(data)
-            self.config = config_from_hf(data)
-        except ValueError as err:
-            raise ValueError(f"{path / 'config.json'}: {err}") from None
+        self.family, self.config = read_hf_config(path)
         self.handles = {name: _open_shard(path / name, stack) for name in _checkpoint_files(path)}
         self.headers = _read_headers(path, self.handles)
         # Tensors of no values carry nothing to load: transformers' DeepSeek-V2 always builds

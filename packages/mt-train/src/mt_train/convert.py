@@ -22,6 +22,7 @@ import dataclasses
 import json
 import os
 import re
+import shlex
 import shutil
 import warnings
 from fractions import Fraction
@@ -35,7 +36,7 @@ from mt_data import default_tokenizer_path
 from mt_data.tokenizer import load_tokenizer
 from mt_models import MODEL_FAMILIES, GptOssConfig, load_hf, load_hf_into, save_hf_tensors
 from mt_models.configs import TRAINING_ONLY_FIELDS
-from mt_models.hf_config import config_from_hf
+from mt_models.hf_io import read_hf_config
 from mt_train.checkpoint import (
     FORMAT_VERSION,
     _rename_durably,
@@ -215,6 +216,12 @@ def hf_to_mt(hf_dir: str | Path, out_dir: str | Path) -> Path:
 
 def _asdict(config: Any) -> dict[str, Any]:
     return dataclasses.asdict(config)
+
+
+def shell_override(key: str, value: Any) -> str:
+    """``key=value`` as a shell word a user can paste: JSON without spaces, quoted when the
+    shell would split it or strip its quotes (a list or dict value)."""
+    return shlex.quote(f"{key}={json.dumps(value, separators=(',', ':'))}")
 
 
 def read_mt_checkpoint(path: str | Path) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -416,10 +423,7 @@ def read_init_config(path: str | Path) -> Any:
     checkpoint), without reading its weights."""
     path = Path(path)
     if _init_source_kind(path) == "hf":
-        try:
-            return config_from_hf(json.loads((path / "config.json").read_text()))
-        except ValueError as err:
-            raise ValueError(f"{path / 'config.json'}: {err}") from None
+        return read_hf_config(path)[1]
     return checkpoint_model_config(path)
 
 
@@ -438,11 +442,31 @@ def init_from_weights(model: torch.nn.Module, path: str | Path) -> Any:
         The source's model config.
     """
     path = Path(path)
-    if _init_source_kind(path) == "hf":
-        return load_hf_into(model, path)
-    config = checkpoint_model_config(path)
-    load_model_weights(path, model)
-    return config
+    source = read_init_config(path)
+    if type(source) is not type(model.config):
+        family = {cls: name for name, (cls, _) in MODEL_FAMILIES.items()}
+        raise ValueError(
+            f"{path} holds a {family[type(source)]} model but the model is "
+            f"{family[type(model.config)]}; choose a model of the checkpoint's family"
+        )
+    try:
+        if _init_source_kind(path) == "hf":
+            return load_hf_into(model, path)
+        load_model_weights(path, model)
+    except ValueError as err:
+        differences = init_config_differences(source, model.config)
+        if not differences:  # the same architecture: a damaged source
+            raise
+        raise ValueError(
+            f"{err}; the run's model config differs from init_from's in "
+            + ", ".join(
+                f"{k} ({json.dumps(v[0])} there, {json.dumps(v[1])} here)"
+                for k, v in differences.items()
+            )
+            + ": to start from it, override "
+            + " ".join(shell_override(f"model.{k}", v[0]) for k, v in differences.items())
+        ) from None
+    return source
 
 
 # Model config fields that shape training, not the function the weights compute.

@@ -15,7 +15,6 @@ import logging
 import math
 import os
 import resource
-import shlex
 import socket
 import time
 from dataclasses import dataclass, field
@@ -47,7 +46,12 @@ from mt_train.checkpoint import (
     save_checkpoint,
 )
 from mt_train.config import JobConfig, family_of
-from mt_train.convert import _init_source_kind, init_config_differences, init_from_weights
+from mt_train.convert import (
+    _init_source_kind,
+    init_config_differences,
+    init_from_weights,
+    shell_override,
+)
 from mt_train.distributed import Env, all_reduce, failing_together, init_distributed
 from mt_train.faults import NonFiniteError, agree_to_stop, stop_on_signals, write_exit_file
 from mt_train.metrics import MetricsLogger, build_sinks, peak_flops
@@ -275,7 +279,7 @@ def _resume_or_start(state: TrainState, run_dir: Path) -> None:
                 "the model config differs from init_from %s; this run's config wins, so the "
                 "model is not the source's (to match it, override %s): %s",
                 cfg.init_from,
-                " ".join(_shell_override(f"model.{k}", v[0]) for k, v in differences.items()),
+                " ".join(shell_override(f"model.{k}", v[0]) for k, v in differences.items()),
                 ", ".join(f"{k}: {v[0]!r} -> {v[1]!r}" for k, v in differences.items()),
             )
     with failing_together(f"writing {run_dir / 'config.json'}"):
@@ -320,12 +324,6 @@ def _lock_run_dir(run_dir: Path) -> TextIO:
     lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
     lock.flush()
     return lock
-
-
-def _shell_override(key: str, value: Any) -> str:
-    """``key=value`` as a shell word a user can paste: JSON without spaces, quoted when the
-    shell would split it or strip its quotes (a list or dict value)."""
-    return shlex.quote(f"{key}={json.dumps(value, separators=(',', ':'))}")
 
 
 def _warn_if_all_warmup(cfg: JobConfig) -> None:
