@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from mt_data import default_tokenizer_path
 from mt_models import build_model, deepseek_v2, gpt_oss, hf_io, qwen3_moe, save_hf
 from mt_train import convert
 from mt_train.checkpoint import FORMAT_VERSION
@@ -424,7 +425,8 @@ def test_generate_with_a_tokenizer_larger_than_the_model_names_the_token_before_
 ):
     checkpoint = tmp_path / "model_only"
     shutil.copytree(mt_checkpoint, checkpoint)
-    (checkpoint / "tokenizer.json").unlink()  # mt-data's default: more than 512 tokens
+    # mt-data's default: more than 512 tokens
+    shutil.copy(default_tokenizer_path(), checkpoint / "tokenizer.json")
 
     def read_weights(path):
         raise AssertionError("the config alone tells the prompt does not fit the model")
@@ -435,6 +437,26 @@ def test_generate_with_a_tokenizer_larger_than_the_model_names_the_token_before_
     err = capsys.readouterr().err
     assert "is outside the model's vocabulary (vocab_size 512)" in err, err
     assert f"copy the model's tokenizer.json into {checkpoint}" in err
+
+
+def test_generate_from_a_model_only_checkpoint_without_a_tokenizer_is_an_error_naming_it(
+    tmp_path, mt_checkpoint, capsys, monkeypatch
+):
+    # It fell back to mt-data's default tokenizer: the model's ids decoded as other text
+    # whenever its vocabulary was at least as large (every released model's is).
+    checkpoint = tmp_path / "model_only"
+    shutil.copytree(mt_checkpoint, checkpoint)
+    (checkpoint / "tokenizer.json").unlink()
+
+    def read_weights(path):
+        raise AssertionError("the weights were read before the tokenizer was found")
+
+    monkeypatch.setattr("mt_train.generate.read_mt_checkpoint", read_weights)
+    argv = ["generate", "--checkpoint", str(checkpoint), "--prompt", "x"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint {checkpoint} holds no tokenizer.json" in err, err
+    assert f"copy the model's tokenizer.json into {checkpoint}" in err, err
 
 
 def test_an_out_under_a_file_is_a_one_line_error_naming_it(tmp_path, mt_checkpoint, capsys):

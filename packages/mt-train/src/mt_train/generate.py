@@ -4,7 +4,8 @@ One process on CPU or one GPU, no KV cache: each new token re-runs the model on 
 whole sequence (fine for looking at a checkpoint, not for serving). The tokenizer is the
 checkpoint directory's ``tokenizer.json``, else the one named by the run's corpus
 manifest (``data.path``; an error when it cannot be found), else mt-data's default
-tokenizer. Special tokens written in the prompt (a chat template's) are encoded as their
+tokenizer for a run on the default corpus (a model-only checkpoint without one is an
+error). Special tokens written in the prompt (a chat template's) are encoded as their
 ids, as Hugging Face tokenizers do.
 """
 
@@ -15,7 +16,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from mt_data import default_tokenizer_path
 from mt_data.tokenizer import load_tokenizer
 from mt_models import MODEL_FAMILIES, CausalLM
 from mt_models.hf_io import keep_fp32_routers
@@ -169,7 +169,13 @@ def generate(
             f"{'' if count == 1 else 's'} ({names}); choose one of them"
         )
     checkpoint = Path(checkpoint)
-    tokenizer_path = training_tokenizer(checkpoint) or default_tokenizer_path()
+    tokenizer_path = training_tokenizer(checkpoint)
+    if tokenizer_path is None:  # model-only: any other tokenizer turns ids into other text
+        raise ValueError(
+            f"checkpoint {checkpoint} holds no tokenizer.json (converted from a directory "
+            f"without one) and names no corpus to find it by; copy the model's tokenizer.json "
+            f"into {checkpoint}"
+        )
     # The prompt is checked against the config's vocabulary before the weights are read.
     vocab_size = checkpoint_model_config(checkpoint).vocab_size
     tokenizer = load_tokenizer(tokenizer_path)
