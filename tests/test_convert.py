@@ -420,6 +420,39 @@ def test_generate_puts_the_space_a_metaspace_tokenizer_decodes_between_prompt_an
     assert mt_train.generate.generate(checkpoint, "Hello") == "Hello world again"
 
 
+def test_generate_stops_at_every_eos_id_of_the_checkpoint_generation_config_json(
+    tmp_path, mt_checkpoint, monkeypatch
+):
+    # hf-to-mt copies generation_config.json (GPT-OSS's eos_token_id: <|return|>,
+    # <|endoftext|> and <|call|>; Qwen3's: <|im_end|> and <|endoftext|>), where transformers'
+    # generate stops; generate stopped only at the tokenizer's EOS and ran on past the others.
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    import mt_train.generate
+
+    vocab = {"▁Hello": 0, "▁world": 1, "▁again": 2, "<|endoftext|>": 3, "<|call|>": 4}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    checkpoint = tmp_path / "model_only"
+    shutil.copytree(mt_checkpoint, checkpoint)
+    tokenizer.save(str(checkpoint / "tokenizer.json"))
+    cases = (([3, 4], "Hello world"), (4, "Hello world"),
+             (None, "Hello world<|call|> again again"))  # fmt: skip
+    for eos_ids, expected in cases:
+        config = {"eos_token_id": eos_ids} if eos_ids is not None else {"do_sample": False}
+        (checkpoint / "generation_config.json").write_text(json.dumps(config))
+        script = iter([1, 4, 2, 2, 3])  # world, <|call|>, again, again, EOS
+
+        def model(input_ids, script=script):
+            logits = torch.zeros(1, input_ids.shape[1], len(vocab))
+            logits[0, -1, next(script)] = 1.0
+            return logits
+
+        monkeypatch.setattr(mt_train.generate, "load_checkpoint_model", lambda *a, m=model: m)
+        assert mt_train.generate.generate(checkpoint, "Hello") == expected, eos_ids
+
+
 def test_generate_with_a_tokenizer_larger_than_the_model_names_the_token_before_reading_weights(
     tmp_path, mt_checkpoint, capsys, monkeypatch
 ):

@@ -11,6 +11,7 @@ ids, as Hugging Face tokenizers do.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -98,6 +99,34 @@ def decode_continuation(tokenizer: Tokenizer, prompt_ids: list[int], new_ids: li
     return tokenizer.decode(new_ids)  # a decoder that rewrites the prompt's end: alone
 
 
+def generation_config_eos_ids(checkpoint: Path) -> list[int]:
+    """The ``eos_token_id`` (one id or a list) of the checkpoint's generation_config.json,
+    where transformers' ``generate`` stops too (GPT-OSS: ``<|return|>``, ``<|endoftext|>``
+    and ``<|call|>``); empty without the file or the field.
+
+    Args:
+        checkpoint: the checkpoint directory (``hf-to-mt`` copies the file there).
+
+    Returns:
+        The ids.
+    """
+    path = checkpoint / "generation_config.json"
+    if not path.is_file():
+        return []
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON ({err}); copy it again or remove it") from None
+    ids = data.get("eos_token_id") if isinstance(data, dict) else None
+    ids = [ids] if isinstance(ids, int) else ids or []
+    if not isinstance(ids, list) or not all(type(i) is int for i in ids):
+        raise ValueError(
+            f"{path}: eos_token_id ({ids!r}) must be a token id or a list of them; fix or "
+            "remove the file"
+        )
+    return ids
+
+
 def load_checkpoint_model(checkpoint: str | Path, device: str = "cpu") -> CausalLM:
     """The model of an mt checkpoint, in eval mode: parameters in the embedding's dtype,
     router weights stored in fp32 (a bfloat16 DeepSeek-V2 from transformers) in fp32.
@@ -138,7 +167,8 @@ def generate(
     Args:
         checkpoint: an mt checkpoint (a run's ``step_N`` or ``convert hf-to-mt`` output).
         prompt: the text to continue.
-        max_new_tokens: tokens to add (fewer when the model emits EOS).
+        max_new_tokens: tokens to add (fewer when the model emits EOS: the tokenizer's, or
+            an ``eos_token_id`` of the checkpoint's generation_config.json).
         temperature: 0 for greedy decoding.
         top_p: nucleus mass when sampling.
         seed: seeds sampling.
@@ -190,6 +220,7 @@ def generate(
             f"tokenizer {tokenizer_path} ({tokenizer.vocab_size} tokens) is not the model's; "
             f"copy the model's tokenizer.json into {checkpoint}"
         )
+    stop_ids = {tokenizer.eos_id, *generation_config_eos_ids(checkpoint)}
     model = load_checkpoint_model(checkpoint, device)
     generator = torch.Generator().manual_seed(seed)
     new = []
@@ -198,7 +229,7 @@ def generate(
             input_ids = torch.tensor([ids + new], device=device)
             logits_V = model(input_ids)[0, -1].cpu()
             token = sample_next(logits_V, temperature, top_p, generator)
-            if token == tokenizer.eos_id:
+            if token in stop_ids:
                 break
             new.append(token)
     return prompt + decode_continuation(tokenizer.tokenizer, ids, new)
