@@ -264,6 +264,40 @@ def test_mt_to_hf_refuses_a_checkpoint_that_does_not_fit_its_config(
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("damage", ["missing_key", "extra_key", "wrong_shape"])
+def test_generate_refuses_a_checkpoint_that_does_not_fit_its_config_naming_the_tensor(
+    tmp_path, mt_checkpoint, capsys, damage
+):
+    # generate copied the tensors into the model by key: a KeyError or a copy_ RuntimeError
+    # traceback (an extra tensor went unnoticed).
+    import torch.distributed.checkpoint as dcp
+
+    _, tensors = convert.read_mt_checkpoint(mt_checkpoint)
+    if damage == "missing_key":
+        del tensors["model.norm.weight"]
+    elif damage == "extra_key":
+        tensors["model.layers.9.mlp.gate.weight"] = torch.zeros(4, 32)
+    else:
+        tensors["model.norm.weight"] = torch.ones(7)
+    checkpoint = tmp_path / "damaged"
+    dcp.save({f"model/{k}": v for k, v in tensors.items()}, checkpoint_id=checkpoint)
+    for name in ("train_state.json", "tokenizer.json"):
+        shutil.copy(mt_checkpoint / name, checkpoint / name)
+    _write_word_tokenizer(checkpoint, {"eos_token": "</s>"})
+    expected = {
+        "missing_key": "lacks 1 tensor(s) the model needs, e.g. ['model/model.norm.weight']",
+        "extra_key": "holds 1 model tensor(s) this model lacks, e.g. "
+        "['model/model.layers.9.mlp.gate.weight']",
+        "wrong_shape": "model/model.norm.weight has shape (7,) but the model gives",
+    }[damage]
+    assert main(["generate", "--checkpoint", str(checkpoint), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint {checkpoint}" in err and expected in err, err
+    assert "the checkpoint is damaged or from another version" in err, err
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+
+
 def _edited_copy(mt_checkpoint, checkpoint, edit):
     """Copies `mt_checkpoint` to `checkpoint` with `edit` applied to its train_state.json
     (in place); returns the edited state."""
@@ -461,10 +495,10 @@ def test_generate_with_a_tokenizer_larger_than_the_model_names_the_token_before_
     # mt-data's default: more than 512 tokens
     shutil.copy(default_tokenizer_path(), checkpoint / "tokenizer.json")
 
-    def read_weights(path):
+    def read_weights(*args):
         raise AssertionError("the config alone tells the prompt does not fit the model")
 
-    monkeypatch.setattr("mt_train.generate.read_mt_checkpoint", read_weights)
+    monkeypatch.setattr("mt_train.generate.load_checkpoint_model", read_weights)
     argv = ["generate", "--checkpoint", str(checkpoint), "--prompt", "def hello_world():"]
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -481,10 +515,10 @@ def test_generate_from_a_model_only_checkpoint_without_a_tokenizer_is_an_error_n
     shutil.copytree(mt_checkpoint, checkpoint)
     (checkpoint / "tokenizer.json").unlink()
 
-    def read_weights(path):
+    def read_weights(*args):
         raise AssertionError("the weights were read before the tokenizer was found")
 
-    monkeypatch.setattr("mt_train.generate.read_mt_checkpoint", read_weights)
+    monkeypatch.setattr("mt_train.generate.load_checkpoint_model", read_weights)
     argv = ["generate", "--checkpoint", str(checkpoint), "--prompt", "x"]
     assert main(argv) == 2
     err = capsys.readouterr().err

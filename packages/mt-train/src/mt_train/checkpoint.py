@@ -528,8 +528,14 @@ def load_checkpoint(
     return checkpoint.train_state()
 
 
-def load_model_weights(path: str | Path, model: nn.Module) -> None:
-    """Loads the model tensors of an mt checkpoint into `model` (`init_from`), in place.
+def load_model_weights(
+    path: str | Path,
+    model: nn.Module,
+    fix: str = "choose a recipe or model.* overrides that match the source's architecture",
+    damaged_fix: str = "choose another init_from",
+) -> None:
+    """Loads the model tensors of an mt checkpoint into `model` (`init_from`, generate), in
+    place.
 
     Each rank reads only what it holds (its experts, its FSDP2 shards); values are cast
     to the parameters' dtypes.
@@ -537,14 +543,11 @@ def load_model_weights(path: str | Path, model: nn.Module) -> None:
     Args:
         path: a checkpoint directory (a run's ``step_N`` or a model-only one).
         model: the model to fill, sharded or not.
+        fix: ends the error of tensors that do not fit the model.
+        damaged_fix: ends the error of a checkpoint that cannot be read.
     """
     tensors = {k: v for k, v in _Tensors(model, None).tensors.items() if k.startswith("model/")}
-    _check_and_load(
-        Path(path),
-        tensors,
-        "choose a recipe or model.* overrides that match the source's architecture",
-        "choose another init_from",
-    )
+    _check_and_load(Path(path), tensors, fix, damaged_fix)
 
 
 def _mismatch(path: Path, tensors: dict[str, torch.Tensor], saved: dict, fix: str) -> str | None:

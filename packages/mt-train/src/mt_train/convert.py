@@ -235,16 +235,33 @@ def read_mt_checkpoint(path: str | Path) -> tuple[Any, dict[str, torch.Tensor]]:
     """
     path = Path(path)
     model_config = checkpoint_model_config(path)
-    with reading_checkpoint(path, _OTHER_CHECKPOINT):
-        metadata = dcp.FileSystemReader(path).read_metadata()
-    tensors = {}
-    for key, meta in metadata.state_dict_metadata.items():
-        if key.startswith("model/"):
-            tensors[key] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+    tensors = {
+        f"model/{key}": torch.empty(shape, dtype=dtype)
+        for key, (shape, dtype) in checkpoint_model_tensors(path).items()
+    }
     with warnings.catch_warnings(), reading_checkpoint(path, _OTHER_CHECKPOINT):
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(tensors, checkpoint_id=path)
     return model_config, {k.removeprefix("model/"): v for k, v in tensors.items()}
+
+
+def checkpoint_model_tensors(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Hub key → (shape, dtype) of every model tensor of an mt checkpoint, from its
+    ``.metadata`` alone (no tensor read).
+
+    Args:
+        path: a checkpoint directory.
+
+    Returns:
+        The shapes and stored dtypes.
+    """
+    with reading_checkpoint(path, _OTHER_CHECKPOINT):
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    return {
+        key.removeprefix("model/"): (tuple(meta.size), meta.properties.dtype)
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith("model/")
+    }
 
 
 def _refuse_a_run_dir(path: Path, given: str) -> None:

@@ -20,7 +20,12 @@ import torch
 from mt_data.tokenizer import load_tokenizer
 from mt_models import MODEL_FAMILIES, CausalLM
 from mt_models.hf_io import keep_fp32_routers
-from mt_train.convert import checkpoint_model_config, read_mt_checkpoint, training_tokenizer
+from mt_train.checkpoint import load_model_weights
+from mt_train.convert import (
+    checkpoint_model_config,
+    checkpoint_model_tensors,
+    training_tokenizer,
+)
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -131,6 +136,9 @@ def load_checkpoint_model(checkpoint: str | Path, device: str = "cpu") -> Causal
     """The model of an mt checkpoint, in eval mode: parameters in the embedding's dtype,
     router weights stored in fp32 (a bfloat16 DeepSeek-V2 from transformers) in fp32.
 
+    The tensors are read straight into the model's (host or device memory holds the model
+    once), after their keys and shapes are checked against its config.
+
     Args:
         checkpoint: an mt checkpoint (a run's ``step_N`` or ``convert hf-to-mt`` output).
         device: where the parameters live.
@@ -138,17 +146,23 @@ def load_checkpoint_model(checkpoint: str | Path, device: str = "cpu") -> Causal
     Returns:
         The model.
     """
-    model_config, canonical = read_mt_checkpoint(checkpoint)
+    checkpoint = Path(checkpoint)
+    model_config = checkpoint_model_config(checkpoint)
+    stored = checkpoint_model_tensors(checkpoint)
     family = next(n for n, (cls, _) in MODEL_FAMILIES.items() if isinstance(model_config, cls))
     with torch.device("meta"):
         model = MODEL_FAMILIES[family][1](model_config)
+    embed = stored.get("model.embed_tokens.weight")
     # On meta, so to_empty allocates once; fp32 routers of a bfloat16 model stay fp32.
-    model.to(canonical["model.embed_tokens.weight"].dtype)
-    keep_fp32_routers(model, {k for k, v in canonical.items() if v.dtype == torch.float32})
+    model.to(torch.float32 if embed is None else embed[1])  # none: a load error names it
+    keep_fp32_routers(model, {k for k, (_, dtype) in stored.items() if dtype == torch.float32})
     model.to_empty(device=device)
-    with torch.no_grad():
-        for key, target in model.canonical_parameters().items():
-            target.copy_(canonical[key])
+    load_model_weights(
+        checkpoint,
+        model,
+        "the checkpoint is damaged or from another version; give another checkpoint",
+        "give another checkpoint",
+    )
     return model.eval()
 
 
