@@ -487,6 +487,36 @@ def test_generate_stops_at_every_eos_id_of_the_checkpoint_generation_config_json
         assert mt_train.generate.generate(checkpoint, "Hello") == expected, eos_ids
 
 
+def test_generate_and_mt_to_hf_use_the_eos_id_the_corpus_was_built_with(
+    tmp_path, mt_checkpoint, monkeypatch
+):
+    # A corpus built with --eos-token ends its documents with another token than the one
+    # the tokenizer's files name; its manifest records the id. generate stopped at the files'
+    # EOS (never at the model's) and mt-to-hf wrote that one as config.json's eos_token_id.
+    import mt_train.generate
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    _write_word_tokenizer(corpus, {"eos_token": "</s>"})  # </s> is id 3
+    manifest = {"tokenizer": str(corpus / "tokenizer.json"), "eos_id": 4}  # <pad>
+    (corpus / "manifest.json").write_text(json.dumps(manifest))
+    checkpoint = tmp_path / "step_00000002"
+    _edited_copy(mt_checkpoint, checkpoint,
+                 lambda state: state["config"].update(data={"path": str(corpus)}))  # fmt: skip
+    (checkpoint / "tokenizer.json").unlink()
+    script = iter([1, 4, 1, 3])  # hello, <pad> (the corpus EOS), hello, </s>
+
+    def model(input_ids):
+        logits = torch.zeros(1, input_ids.shape[1], 5)
+        logits[0, -1, next(script)] = 1.0
+        return logits
+
+    monkeypatch.setattr(mt_train.generate, "load_checkpoint_model", lambda *args: model)
+    assert mt_train.generate.generate(checkpoint, "hello") == "hello hello"
+    mt_to_hf(checkpoint, tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == 4
+
+
 def test_generate_with_a_tokenizer_larger_than_the_model_names_the_token_before_reading_weights(
     tmp_path, mt_checkpoint, capsys, monkeypatch
 ):

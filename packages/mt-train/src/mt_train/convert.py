@@ -151,6 +151,27 @@ def training_tokenizer(checkpoint: str | Path) -> Path | None:
     )
 
 
+def training_eos_id(checkpoint: str | Path) -> int | None:
+    """The id that ended every document of the run's corpus (its manifest's ``eos_id``),
+    which is the model's EOS even where the tokenizer's files name another (a corpus built
+    with ``--eos-token``); None for a model-only checkpoint, the default corpus, or a
+    manifest that is not there or records none.
+
+    Args:
+        checkpoint: an mt checkpoint directory (complete: `checkpoint_model_config`).
+
+    Returns:
+        The id, or None.
+    """
+    state = json.loads((Path(checkpoint) / _STATE_FILE).read_text())
+    data = state.get("config", {}).get("data") or {}
+    manifest = Path(data["path"]) / "manifest.json" if data.get("path") else None
+    if manifest is None or not manifest.is_file():
+        return None
+    eos_id = json.loads(manifest.read_text()).get("eos_id")
+    return eos_id if type(eos_id) is int else None
+
+
 def _check_out(out_dir: Path) -> Path:
     """Raises unless `out_dir` is missing or an empty directory other than the current
     one; creates its parent (where the temporary directory goes), before the slow reading
@@ -346,7 +367,7 @@ def mt_to_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: int = 
             beside = tokenizer.parent / "tokenizer_config.json"
             if beside.is_file() and not (tmp / "tokenizer_config.json").exists():
                 shutil.copy2(beside, tmp / "tokenizer_config.json")
-        _add_special_token_ids(tmp)
+        _add_special_token_ids(tmp, training_eos_id(checkpoint))
         if out_dir.exists():
             out_dir.rmdir()  # empty, checked above
         _rename_durably(tmp, out_dir)
@@ -356,7 +377,7 @@ def mt_to_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: int = 
     return out_dir
 
 
-def _add_special_token_ids(directory: Path) -> None:
+def _add_special_token_ids(directory: Path, eos_id: int | None = None) -> None:
     """Writes ``bos_token_id``, ``eos_token_id`` and ``pad_token_id`` into config.json.
 
     Without a generation_config.json, transformers' ``generate`` takes these ids from
@@ -367,16 +388,22 @@ def _add_special_token_ids(directory: Path) -> None:
     tokenizer_config.json's ``bos_token`` and ``pad_token``, text or an AddedToken dict's
     ``content``. An id config.json already holds (not null) is kept; a
     token the files do not name or the vocabulary lacks is left out. Nothing is written
-    when the tokenizer files are missing, unreadable or name no EOS.
+    when the tokenizer files are missing, unreadable or name no EOS, but a given ``eos_id``.
 
     Args:
         directory: an exported Hugging Face directory (config.json, tokenizer files).
+        eos_id: the EOS the corpus was built with (`training_eos_id`), which wins over the
+            tokenizer's; None: the tokenizer's.
     """
     config_path = directory / "config.json"
     config = json.loads(config_path.read_text())
+    keep = eos_id is None or config.get("eos_token_id") is not None
+    known = {} if keep else {"eos_token_id": eos_id}
     try:
         loaded = load_tokenizer(directory)
     except (FileNotFoundError, ValueError):  # no tokenizer.json, an unreadable one, or no EOS
+        if known:
+            config_path.write_text(json.dumps(config | known, indent=2, sort_keys=True) + "\n")
         return
     # When present, tokenizer_config.json is a JSON object, else load_tokenizer has raised.
     tokenizer_config = directory / "tokenizer_config.json"
@@ -386,7 +413,7 @@ def _add_special_token_ids(directory: Path) -> None:
         token = named.get(name)
         texts[key] = token.get("content") if isinstance(token, dict) else token
     ids = {k: loaded.tokenizer.token_to_id(t) for k, t in texts.items() if isinstance(t, str)}
-    added = {k: i for k, i in ids.items() if i is not None and config.get(k) is None}
+    added = {k: i for k, i in ids.items() if i is not None and config.get(k) is None} | known
     if added:
         config_path.write_text(json.dumps(config | added, indent=2, sort_keys=True) + "\n")
 

@@ -24,6 +24,7 @@ from mt_train.checkpoint import load_model_weights
 from mt_train.convert import (
     checkpoint_model_config,
     checkpoint_model_tensors,
+    training_eos_id,
     training_tokenizer,
 )
 
@@ -181,8 +182,9 @@ def generate(
     Args:
         checkpoint: an mt checkpoint (a run's ``step_N`` or ``convert hf-to-mt`` output).
         prompt: the text to continue.
-        max_new_tokens: tokens to add (fewer when the model emits EOS: the tokenizer's, or
-            an ``eos_token_id`` of the checkpoint's generation_config.json).
+        max_new_tokens: tokens to add (fewer when the model emits EOS: the corpus's (its
+            manifest's ``eos_id``), else the tokenizer's, or an ``eos_token_id`` of the
+            checkpoint's generation_config.json).
         temperature: 0 for greedy decoding.
         top_p: nucleus mass when sampling.
         seed: seeds sampling.
@@ -223,9 +225,12 @@ def generate(
     # The prompt is checked against the config's vocabulary before the weights are read.
     vocab_size = checkpoint_model_config(checkpoint).vocab_size
     tokenizer = load_tokenizer(tokenizer_path)
+    # The corpus's EOS (built with --eos-token) where its manifest records one.
+    eos_id = training_eos_id(checkpoint)
+    eos_id = tokenizer.eos_id if eos_id is None else eos_id
     ids = encode_prompt(tokenizer.tokenizer, prompt)
     if not ids:
-        ids = [tokenizer.eos_id]  # start a fresh document
+        ids = [eos_id]  # start a fresh document
     outside = [i for i in ids if i >= vocab_size]
     if outside:
         raise ValueError(
@@ -234,7 +239,7 @@ def generate(
             f"tokenizer {tokenizer_path} ({tokenizer.vocab_size} tokens) is not the model's; "
             f"copy the model's tokenizer.json into {checkpoint}"
         )
-    stop_ids = {tokenizer.eos_id, *generation_config_eos_ids(checkpoint)}
+    stop_ids = {eos_id, *generation_config_eos_ids(checkpoint)}
     model = load_checkpoint_model(checkpoint, device)
     generator = torch.Generator().manual_seed(seed)
     new = []
