@@ -517,6 +517,51 @@ def test_generate_and_mt_to_hf_use_the_eos_id_the_corpus_was_built_with(
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == 4
 
 
+def test_generate_encodes_a_prompt_as_the_corpus_encoded_documents(
+    tmp_path, mt_checkpoint, monkeypatch
+):
+    # mt-data stores [BOS if built with --bos] + text ids (no post-processor); generate
+    # encoded prompts with the tokenizer's post-processor, so a tokenizer.json that adds a
+    # BOS (Llama's) put an id the model never saw at position 0, and --bos was ignored.
+    # A model-only (Hugging Face) checkpoint keeps Hugging Face's encoding.
+    from tokenizers import Tokenizer, processors
+
+    import mt_train.generate
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    _write_word_tokenizer(corpus, {"eos_token": "</s>"})
+    tokenizer = Tokenizer.from_file(str(corpus / "tokenizer.json"))
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", 2)]
+    )
+    tokenizer.save(str(corpus / "tokenizer.json"))
+    model_only = tmp_path / "model_only"
+    shutil.copytree(mt_checkpoint, model_only)
+    shutil.copy(corpus / "tokenizer.json", model_only / "tokenizer.json")
+    shutil.copy(corpus / "tokenizer_config.json", model_only / "tokenizer_config.json")
+    seen = []
+
+    def model(input_ids):
+        seen.append(input_ids[0].tolist())
+        logits = torch.zeros(1, input_ids.shape[1], 5)
+        logits[0, -1, 3] = 1.0  # </s>
+        return logits
+
+    monkeypatch.setattr(mt_train.generate, "load_checkpoint_model", lambda *args: model)
+    for bos_id, expected in ((None, [1]), (4, [4, 1])):
+        manifest = {"tokenizer": str(corpus / "tokenizer.json"), "eos_id": 3, "bos_id": bos_id}
+        (corpus / "manifest.json").write_text(json.dumps(manifest))
+        checkpoint = tmp_path / f"step_{bos_id}"
+        _edited_copy(mt_checkpoint, checkpoint,
+                     lambda state: state["config"].update(data={"path": str(corpus)}))  # fmt: skip
+        (checkpoint / "tokenizer.json").unlink()
+        mt_train.generate.generate(checkpoint, "hello", max_new_tokens=1)
+        assert seen.pop() == expected, bos_id
+    mt_train.generate.generate(model_only, "hello", max_new_tokens=1)
+    assert seen.pop() == [2, 1]
+
+
 def test_generate_with_a_tokenizer_larger_than_the_model_names_the_token_before_reading_weights(
     tmp_path, mt_checkpoint, capsys, monkeypatch
 ):

@@ -151,25 +151,29 @@ def training_tokenizer(checkpoint: str | Path) -> Path | None:
     )
 
 
-def training_eos_id(checkpoint: str | Path) -> int | None:
-    """The id that ended every document of the run's corpus (its manifest's ``eos_id``),
-    which is the model's EOS even where the tokenizer's files name another (a corpus built
-    with ``--eos-token``); None for a model-only checkpoint, the default corpus, or a
-    manifest that is not there or records none.
+def training_special_ids(checkpoint: str | Path) -> tuple[int | None, int | None] | None:
+    """``(eos_id, bos_id)`` the run's corpus was built with (its manifest's): mt-data stored
+    each document as [BOS] + text + EOS, the EOS even where the tokenizer's files name
+    another (a corpus built with ``--eos-token``), the BOS only with ``--bos``.
 
     Args:
         checkpoint: an mt checkpoint directory (complete: `checkpoint_model_config`).
 
     Returns:
-        The id, or None.
+        None for a model-only checkpoint (no corpus: Hugging Face's conventions); else the
+        two ids, each None where the manifest records none (the default corpus, whose EOS
+        is its tokenizer's, has no BOS).
     """
     state = json.loads((Path(checkpoint) / _STATE_FILE).read_text())
-    data = state.get("config", {}).get("data") or {}
+    data = state.get("config", {}).get("data")
+    if data is None:
+        return None
     manifest = Path(data["path"]) / "manifest.json" if data.get("path") else None
     if manifest is None or not manifest.is_file():
-        return None
-    eos_id = json.loads(manifest.read_text()).get("eos_id")
-    return eos_id if type(eos_id) is int else None
+        return None, None
+    facts = json.loads(manifest.read_text())
+    eos_id, bos_id = facts.get("eos_id"), facts.get("bos_id")
+    return (eos_id if type(eos_id) is int else None), (bos_id if type(bos_id) is int else None)
 
 
 def _check_out(out_dir: Path) -> Path:
@@ -367,7 +371,7 @@ def mt_to_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: int = 
             beside = tokenizer.parent / "tokenizer_config.json"
             if beside.is_file() and not (tmp / "tokenizer_config.json").exists():
                 shutil.copy2(beside, tmp / "tokenizer_config.json")
-        _add_special_token_ids(tmp, training_eos_id(checkpoint))
+        _add_special_token_ids(tmp, (training_special_ids(checkpoint) or (None, None))[0])
         if out_dir.exists():
             out_dir.rmdir()  # empty, checked above
         _rename_durably(tmp, out_dir)
@@ -392,7 +396,7 @@ def _add_special_token_ids(directory: Path, eos_id: int | None = None) -> None:
 
     Args:
         directory: an exported Hugging Face directory (config.json, tokenizer files).
-        eos_id: the EOS the corpus was built with (`training_eos_id`), which wins over the
+        eos_id: the EOS the corpus was built with (`training_special_ids`), which wins over the
             tokenizer's; None: the tokenizer's.
     """
     config_path = directory / "config.json"

@@ -24,7 +24,7 @@ from mt_train.checkpoint import load_model_weights
 from mt_train.convert import (
     checkpoint_model_config,
     checkpoint_model_tensors,
-    training_eos_id,
+    training_special_ids,
     training_tokenizer,
 )
 
@@ -60,7 +60,7 @@ def sample_next(
     return int(order_V[choice])
 
 
-def encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
+def encode_prompt(tokenizer: Tokenizer, prompt: str, add_special_tokens: bool = True) -> list[int]:
     """The ids of a prompt, special tokens in its text included, as Hugging Face encodes it.
 
     mt-data's tokenizer reads special tokens in documents as plain text (the builder alone
@@ -70,6 +70,8 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
     Args:
         tokenizer: the training tokenizer (mt-data's ``load_tokenizer``).
         prompt: the text to encode.
+        add_special_tokens: apply the tokenizer's post-processor (a BOS it adds), as
+            Hugging Face does; mt-data stores documents without it.
 
     Returns:
         The token ids.
@@ -77,7 +79,7 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
     saved = tokenizer.encode_special_tokens
     tokenizer.encode_special_tokens = False
     try:
-        return tokenizer.encode(prompt).ids
+        return tokenizer.encode(prompt, add_special_tokens=add_special_tokens).ids
     finally:
         tokenizer.encode_special_tokens = saved
 
@@ -185,6 +187,10 @@ def generate(
         max_new_tokens: tokens to add (fewer when the model emits EOS: the corpus's (its
             manifest's ``eos_id``), else the tokenizer's, or an ``eos_token_id`` of the
             checkpoint's generation_config.json).
+
+    The prompt is encoded as the run's corpus stored documents (its manifest's BOS, when
+    built with one, then the text without the tokenizer's post-processor); a model-only
+    checkpoint's as Hugging Face encodes it.
         temperature: 0 for greedy decoding.
         top_p: nucleus mass when sampling.
         seed: seeds sampling.
@@ -225,10 +231,13 @@ def generate(
     # The prompt is checked against the config's vocabulary before the weights are read.
     vocab_size = checkpoint_model_config(checkpoint).vocab_size
     tokenizer = load_tokenizer(tokenizer_path)
-    # The corpus's EOS (built with --eos-token) where its manifest records one.
-    eos_id = training_eos_id(checkpoint)
-    eos_id = tokenizer.eos_id if eos_id is None else eos_id
-    ids = encode_prompt(tokenizer.tokenizer, prompt)
+    corpus = training_special_ids(checkpoint)
+    if corpus is None:  # model-only: encoded as Hugging Face does (its post-processor's BOS)
+        eos_id, ids = tokenizer.eos_id, encode_prompt(tokenizer.tokenizer, prompt)
+    else:  # as mt-data stored the documents: [BOS] + text, the corpus's EOS
+        eos_id = tokenizer.eos_id if corpus[0] is None else corpus[0]
+        bos = [] if corpus[1] is None else [corpus[1]]
+        ids = bos + encode_prompt(tokenizer.tokenizer, prompt, add_special_tokens=False)
     if not ids:
         ids = [eos_id]  # start a fresh document
     outside = [i for i in ids if i >= vocab_size]
