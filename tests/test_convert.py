@@ -562,6 +562,30 @@ def test_generate_encodes_a_prompt_as_the_corpus_encoded_documents(
     assert seen.pop() == [2, 1]
 
 
+def test_mt_to_hf_exports_the_special_tokens_map_json_beside_the_corpus_tokenizer(
+    tmp_path, mt_checkpoint
+):
+    # Only tokenizer_config.json travelled with the corpus's tokenizer.json: an EOS that
+    # special_tokens_map.json alone names (mt-data reads it) was lost to the export's
+    # tokenizer, and config.json got the fallback list's EOS instead of the corpus's.
+    from tokenizers import Tokenizer, models
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    vocab = {"<unk>": 0, "hello": 1, "<|endoftext|>": 2, "</s>": 3}
+    Tokenizer(models.WordLevel(vocab, unk_token="<unk>")).save(str(corpus / "tokenizer.json"))
+    (corpus / "special_tokens_map.json").write_text(json.dumps({"eos_token": "</s>"}))
+    (corpus / "manifest.json").write_text(json.dumps({"tokenizer": str(corpus / "tokenizer.json")}))
+    checkpoint = tmp_path / "step_00000002"
+    _edited_copy(mt_checkpoint, checkpoint,
+                 lambda state: state["config"].update(data={"path": str(corpus)}))  # fmt: skip
+    (checkpoint / "tokenizer.json").unlink()
+    mt_to_hf(checkpoint, tmp_path / "hf")
+    exported = json.loads((tmp_path / "hf" / "special_tokens_map.json").read_text())
+    assert exported == {"eos_token": "</s>"}
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == 3
+
+
 def test_generate_with_a_tokenizer_larger_than_the_model_names_the_token_before_reading_weights(
     tmp_path, mt_checkpoint, capsys, monkeypatch
 ):

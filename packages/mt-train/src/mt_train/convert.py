@@ -33,7 +33,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from mt_data import default_tokenizer_path
-from mt_data.tokenizer import load_tokenizer
+from mt_data.tokenizer import SPECIAL_TOKEN_FILES, load_tokenizer
 from mt_models import MODEL_FAMILIES, GptOssConfig, load_hf, load_hf_into, save_hf_tensors
 from mt_models.configs import TRAINING_ONLY_FIELDS
 from mt_models.hf_io import read_hf_config
@@ -368,9 +368,10 @@ def mt_to_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: int = 
         _copy_tokenizer_files(checkpoint, tmp)
         if tokenizer is not None and not (tmp / "tokenizer.json").exists():
             shutil.copy2(tokenizer, tmp / "tokenizer.json")
-            beside = tokenizer.parent / "tokenizer_config.json"
-            if beside.is_file() and not (tmp / "tokenizer_config.json").exists():
-                shutil.copy2(beside, tmp / "tokenizer_config.json")
+            for name in SPECIAL_TOKEN_FILES:  # where mt-data read its EOS and BOS
+                beside = tokenizer.parent / name
+                if beside.is_file() and not (tmp / name).exists():
+                    shutil.copy2(beside, tmp / name)
         _add_special_token_ids(tmp, (training_special_ids(checkpoint) or (None, None))[0])
         if out_dir.exists():
             out_dir.rmdir()  # empty, checked above
