@@ -756,6 +756,20 @@ def test_init_from_a_mismatched_model_names_the_config_fields_that_differ_and_th
         assert f"override model.{field}={json.dumps(theirs)}" in str(err.value), err.value
 
 
+def test_init_from_a_damaged_source_is_not_blamed_on_a_config_field_that_changes_no_tensor(
+    tmp_path,
+):
+    cfg = resolve_config(get_recipe("tiny"))
+    _write_hf(cfg.model, tmp_path / "hf", torch.float32)
+    (tmp_path / "hf" / "model.safetensors").write_bytes(b"\x10\x00")
+    overrides = [f"model.rope_theta={2 * cfg.model.rope_theta}", f"run_dir={tmp_path / 'run'}",
+                 f"init_from={tmp_path / 'hf'}"]  # fmt: skip
+    with pytest.raises(ValueError) as err:
+        setup(resolve_config(get_recipe("tiny"), overrides=overrides))
+    assert "is not a readable safetensors file" in str(err.value)
+    assert "differs from init_from's" not in str(err.value)
+
+
 def test_init_from_an_mt_checkpoint_of_another_family_names_both_families(tmp_path):
     # A Hugging Face source of another family was named so; an mt checkpoint's failed as a
     # list of missing tensors.

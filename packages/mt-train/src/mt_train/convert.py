@@ -504,8 +504,8 @@ def init_from_weights(model: torch.nn.Module, path: str | Path) -> Any:
         load_model_weights(path, model)
     except ValueError as err:
         differences = init_config_differences(source, model.config)
-        if not differences:  # the same architecture: a damaged source
-            raise
+        if not differences or _tensor_shapes(source) == _tensor_shapes(model.config):
+            raise  # the same tensors: a damaged source, whatever else differs
         raise ValueError(
             f"{err}; the run's model config differs from init_from's in "
             + ", ".join(
@@ -516,6 +516,14 @@ def init_from_weights(model: torch.nn.Module, path: str | Path) -> Any:
             + " ".join(shell_override(f"model.{k}", v[0]) for k, v in differences.items())
         ) from None
     return source
+
+
+def _tensor_shapes(config: Any) -> dict[str, tuple[int, ...]]:
+    """Canonical key → shape of the model of `config` (built on meta: no memory)."""
+    family = next(n for n, (cls, _) in MODEL_FAMILIES.items() if isinstance(config, cls))
+    with torch.device("meta"):
+        model = MODEL_FAMILIES[family][1](config)
+    return {k: tuple(v.shape) for k, v in model.canonical_parameters().items()}
 
 
 # Model config fields that shape training, not the function the weights compute.
