@@ -151,6 +151,16 @@ def test_mt_to_hf_refuses_a_non_empty_out_and_leaves_it_untouched(tmp_path, mt_c
     assert _siblings(out) == ["back"], "no .tmp-back left behind"
 
 
+def test_convert_help_says_an_existing_out_is_refused_unless_empty(capsys):
+    # --help said only "directory to write": whether an existing --out is replaced, merged
+    # into or refused was left to a try.
+    for direction in ("hf-to-mt", "mt-to-hf"):
+        with pytest.raises(SystemExit):
+            main(["convert", direction, "--help"])
+        out = " ".join(capsys.readouterr().out.split())
+        assert "a new or empty directory; an existing one with files is refused" in out, out
+
+
 def test_convert_to_an_out_that_is_a_file_is_refused_naming_it(tmp_path, mt_checkpoint):
     out = tmp_path / "notes.txt"
     out.write_text("keep me")

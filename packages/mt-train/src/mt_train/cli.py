@@ -76,12 +76,24 @@ def build_parser() -> argparse.ArgumentParser:
         "hf-to-mt", help="Hugging Face directory -> model-only mt checkpoint (for init_from)"
     )
     hf_to_mt.add_argument("--hf", required=True, metavar="DIR", help="Hugging Face directory")
-    hf_to_mt.add_argument("--out", required=True, metavar="DIR", help="checkpoint to write")
+    hf_to_mt.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="checkpoint to write: a new or empty directory; an existing one with files is "
+        "refused (written beside it and renamed when complete)",
+    )
     mt_to_hf = direction.add_parser(
         "mt-to-hf", help="mt checkpoint (a run's step_N or hf-to-mt output) -> Hugging Face"
     )
     mt_to_hf.add_argument("--checkpoint", required=True, metavar="DIR", help="mt checkpoint")
-    mt_to_hf.add_argument("--out", required=True, metavar="DIR", help="directory to write")
+    mt_to_hf.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="directory to write: a new or empty directory; an existing one with files is "
+        "refused (written beside it and renamed when complete)",
+    )
     mt_to_hf.add_argument(
         "--max-shard-size",
         default="5GB",
