@@ -752,8 +752,8 @@ def test_init_from_a_mismatched_model_names_the_config_fields_that_differ_and_th
     cfg = resolve_config(get_recipe("tiny"))
     _write_hf(cfg.model, tmp_path / "hf", torch.float32)
     if source == "mt":
-        assert main(["convert", "hf-to-mt", "--hf", str(tmp_path / "hf"),
-                     "--out", str(tmp_path / "mt")]) == 0
+        argv = ["convert", "hf-to-mt", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "mt")]
+        assert main(argv) == 0
     for field, value in (("hidden_size", 32), ("num_experts", 4),
                          ("tie_word_embeddings", True)):  # fmt: skip
         overrides = [f"model.{field}={json.dumps(value)}", f"run_dir={tmp_path / field}",
@@ -761,8 +761,8 @@ def test_init_from_a_mismatched_model_names_the_config_fields_that_differ_and_th
         with pytest.raises(ValueError) as err:
             setup(resolve_config(get_recipe("tiny"), overrides=overrides))
         theirs = getattr(cfg.model, field)
-        assert f"differs from init_from's in {field} ({json.dumps(theirs)} there, " \
-            f"{json.dumps(value)} here)" in str(err.value), err.value
+        differs = f"differs from init_from's in {field} ({json.dumps(theirs)} there, "
+        assert differs + f"{json.dumps(value)} here)" in str(err.value), err.value
         assert f"override model.{field}={json.dumps(theirs)}" in str(err.value), err.value
 
 
@@ -784,8 +784,8 @@ def test_init_from_an_mt_checkpoint_of_another_family_names_both_families(tmp_pa
     # A Hugging Face source of another family was named so; an mt checkpoint's failed as a
     # list of missing tensors.
     _write_hf(FAMILIES["gpt_oss"], tmp_path / "hf", torch.float32)
-    assert main(["convert", "hf-to-mt", "--hf", str(tmp_path / "hf"),
-                 "--out", str(tmp_path / "mt")]) == 0
+    argv = ["convert", "hf-to-mt", "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "mt")]
+    assert main(argv) == 0
     for source in ("hf", "mt"):
         overrides = [f"run_dir={tmp_path / 'run'}", f"init_from={tmp_path / source}"]
         with pytest.raises(ValueError, match=r"holds a gpt_oss model but the model is "
