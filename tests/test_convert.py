@@ -255,8 +255,8 @@ def test_mt_to_hf_refuses_a_checkpoint_that_does_not_fit_its_config(
 ):
     real_read = convert.read_mt_checkpoint
 
-    def read_damaged(path):
-        config, tensors = real_read(path)
+    def read_damaged(path, progress=None):
+        config, tensors = real_read(path, progress)
         if damage == "extra_key":
             tensors["model.layers.9.mlp.gate.weight"] = torch.zeros(4, 32)
         else:
@@ -948,3 +948,46 @@ def test_special_token_ids_are_left_out_when_undefined_and_never_overwritten(
     convert._add_special_token_ids(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config == base | (expected or {})
+
+
+def test_conversions_show_each_phase_on_stderr_and_read_in_groups_exactly(
+    tmp_path, capsys, monkeypatch
+):
+    # A 60 GB conversion was silent until "wrote". The bars go to stderr; mt-to-hf reads
+    # the checkpoint in groups (one DCP load each) so that its bar moves.
+    import re
+
+    import mt_train.convert as convert
+
+    monkeypatch.setattr(convert, "_READ_CHUNK_BYTES", 20_000)  # several groups here
+    loads = []
+    real_load = convert.dcp.load
+
+    def counted_load(tensors, **kwargs):
+        loads.append(len(tensors))
+        return real_load(tensors, **kwargs)
+
+    monkeypatch.setattr(convert.dcp, "load", counted_load)
+    original = tmp_path / "hf"
+    _write_hf(FAMILIES["qwen3_moe"], original, torch.bfloat16)
+    num_tensors = len(_hf_tensors(original))
+    capsys.readouterr()
+    assert main(["convert", "hf-to-mt", "--hf", str(original), "--out", str(tmp_path / "mt")]) == 0
+    err = capsys.readouterr().err
+    assert f"{num_tensors}/{num_tensors}" in err and f"reading {original}" in err
+    assert f"writing {tmp_path / 'mt'}" in err
+    assert main(["convert", "mt-to-hf", "--checkpoint", str(tmp_path / "mt"), "--out",
+                 str(tmp_path / "back"), "--max-shard-size", "40KB"]) == 0  # fmt: skip
+    err = capsys.readouterr().err
+    assert len(loads) > 2 and sum(loads) == num_tensors  # every tensor once, in groups
+    for phase in (f"reading {tmp_path / 'mt'}", f"writing {tmp_path / 'back'}"):
+        (line,) = [s for s in re.split(r"[\r\n]", err) if s.startswith(phase) and "100%" in s]
+        done, total = re.search(r"\| ([\d.]+k?B?)/([\d.]+k?B?) ", line).groups()
+        assert done == total, line
+    before, after = _hf_tensors(original), _hf_tensors(tmp_path / "back")
+    assert sorted(after) == sorted(before)
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    argv = ["convert", "hf-to-mt", "--hf", str(original), "--out", str(tmp_path / "quiet"),
+            "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    assert capsys.readouterr().err == ""

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,9 @@ from mt_models.hf_config import config_from_hf, config_to_hf, family_of_hf_confi
 from mt_models.layers.router import TopKRouter
 from mt_models.mxfp4 import dequantize_mxfp4
 from mt_models.registry import MODEL_FAMILIES
+
+# A progress callback: (done, total), in Hub tensors when reading, bytes when writing.
+Progress = Callable[[int, int], None]
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -393,12 +397,17 @@ class _HubCheckpoint:
         if self.config.tie_word_embeddings:
             self.hub_tensors.pop("lm_head.weight", None)  # tied: never read
 
-    def copy_into(self, targets: dict[str, Tensor], dtype: torch.dtype) -> None:
+    def copy_into(
+        self, targets: dict[str, Tensor], dtype: torch.dtype, progress: Progress | None = None
+    ) -> None:
         """Reads, maps and copies one Hub tensor at a time (read as ``dtype``), skipping
-        those that give no key of ``targets``."""
-        for hub_tensor in self.hub_tensors.values():
-            if not any(k in targets for k in _canonical_of(self.family, hub_tensor)):
-                continue
+        those that give no key of ``targets``; ``progress(done, total)`` after each."""
+        wanted = [
+            hub_tensor
+            for hub_tensor in self.hub_tensors.values()
+            if any(k in targets for k in _canonical_of(self.family, hub_tensor))
+        ]
+        for done, hub_tensor in enumerate(wanted, 1):
             # Read inside the call, so it is freed before the next read.
             _copy_hub_tensor(
                 self.family,
@@ -406,10 +415,15 @@ class _HubCheckpoint:
                 _read_hub_tensor(hub_tensor, self.headers, self.handles, dtype),
                 targets,
             )
+            if progress is not None:
+                progress(done, len(wanted))
 
 
 def load_hf(
-    path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+    path: str | Path,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    progress: Progress | None = None,
 ) -> CausalLM:
     """Builds a model from a Hub checkpoint directory.
 
@@ -425,6 +439,8 @@ def load_hf(
             ``gate.weight`` fp32 in a bfloat16 model and saves it so; routers compute in
             fp32 anyway), so ``save_hf`` gives the checkpoint back.
         device: Where the parameters live.
+        progress: Called as ``progress(done, total)`` after each Hub tensor is read
+            (``total`` Hub tensors in all), for a progress display.
 
     Returns:
         The model, every parameter set from the checkpoint.
@@ -453,7 +469,7 @@ def load_hf(
             keep_fp32_routers(model, {k for k, v in hub.headers.items() if v.dtype == "F32"})
         _check_against_model(path, hub.family, hub.hub_tensors, model.canonical_parameters())
         model.to_empty(device=device)
-        hub.copy_into(model.canonical_parameters(), dtype)
+        hub.copy_into(model.canonical_parameters(), dtype, progress)
     return model
 
 
@@ -567,6 +583,7 @@ def save_hf_tensors(
     path: str | Path,
     max_shard_size: int,
     dtype: torch.dtype,
+    progress: Progress | None = None,
 ) -> None:
     """Writes ``save_hf``'s files from canonical tensors, without needing a model.
 
@@ -584,6 +601,8 @@ def save_hf_tensors(
         path: Output directory (created).
         max_shard_size: Largest shard in bytes (a tensor larger than it gets its own).
         dtype: The model's dtype for ``config.json`` (its output weight's).
+        progress: Called as ``progress(done, total)`` in bytes after each shard is
+            written, for a progress display.
     """
     if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int):
         # Checked before the earlier weights are removed, which a failure would leave gone.
@@ -631,6 +650,8 @@ def save_hf_tensors(
         os.chmod(path / name, (path / "config.json").stat().st_mode & 0o777)
         del hub, tensors  # this shard's stacks and copies, before the next shard's
         weight_map.update(dict.fromkeys(keys, name))
+        if progress is not None:
+            progress(sum(sizes[k] for k in weight_map), sum(sizes.values()))
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
         (path / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")

@@ -1,8 +1,8 @@
 """The `mt-train` command line.
 
     mt-train pretrain [RECIPE] [--config FILE.toml] [KEY=VALUE ...] [--print-config]
-    mt-train convert hf-to-mt --hf DIR --out DIR
-    mt-train convert mt-to-hf --checkpoint DIR --out DIR [--max-shard-size 5GB]
+    mt-train convert hf-to-mt --hf DIR --out DIR [--no-progress]
+    mt-train convert mt-to-hf --checkpoint DIR --out DIR [--max-shard-size 5GB] [--no-progress]
     mt-train generate --checkpoint DIR --prompt TEXT [--max-new-tokens N] [--temperature T]
                       [--top-p P] [--seed N] [--device cpu|cuda]
 
@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="checkpoint to write: a new or empty directory; an existing one with files is "
         "refused (written beside it and renamed when complete)",
     )
+    hf_to_mt.add_argument(
+        "--no-progress", action="store_true", help="draw no progress bars (on stderr)"
+    )
     mt_to_hf = direction.add_parser(
         "mt-to-hf", help="mt checkpoint (a run's step_N or hf-to-mt output) -> Hugging Face"
     )
@@ -101,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest safetensors shard in bytes, or with a unit: KB, MB, GB, TB count in "
         "powers of 10 (as Hugging Face does), KiB, MiB, GiB, TiB in powers of 2; e.g. 5GB "
         "(10^9 bytes), 500MB, 2GiB (default 5GB)",
+    )
+    mt_to_hf.add_argument(
+        "--no-progress", action="store_true", help="draw no progress bars (on stderr)"
     )
     gen = sub.add_parser(
         "generate",
@@ -169,9 +175,10 @@ def _convert(args: argparse.Namespace) -> int:
 
     try:
         if args.direction == "hf-to-mt":
-            out = hf_to_mt(args.hf, args.out)
+            out = hf_to_mt(args.hf, args.out, progress=not args.no_progress)
         else:
-            out = mt_to_hf(args.checkpoint, args.out, parse_size(args.max_shard_size))
+            size = parse_size(args.max_shard_size)
+            out = mt_to_hf(args.checkpoint, args.out, size, progress=not args.no_progress)
     except ValueError as err:
         print(f"mt-train: error: {err}", file=sys.stderr)
         return 2

@@ -1,7 +1,7 @@
 """Conversion between Hugging Face directories and mt checkpoints, and `init_from`.
 
-    mt-train convert hf-to-mt --hf DIR --out DIR
-    mt-train convert mt-to-hf --checkpoint DIR --out DIR [--max-shard-size 5GB]
+    mt-train convert hf-to-mt --hf DIR --out DIR [--no-progress]
+    mt-train convert mt-to-hf --checkpoint DIR --out DIR [--max-shard-size 5GB] [--no-progress]
 
 An mt checkpoint written by ``hf-to-mt`` is a DCP directory like a training checkpoint
 but model-only: ``model/<hub key>`` tensors in the source's dtype and a
@@ -13,7 +13,8 @@ Conversion goes through `mt_models.load_hf` / `save_hf`'s writer, so keys and GP
 stacked expert layout are theirs; MXFP4 originals come back dequantized. Both directions
 write beside ``--out`` and rename when complete, so a failure leaves no partial ``--out``;
 the files are flushed to disk before the rename and the rename after it (a power loss
-leaves no ``--out`` with empty files).
+leaves no ``--out`` with empty files). With ``progress``, each phase (reading, writing)
+draws a bar on stderr.
 """
 
 from __future__ import annotations
@@ -24,19 +25,23 @@ import os
 import re
 import shlex
 import shutil
+import sys
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from tqdm import tqdm
 
 from mt_data import default_tokenizer_path
 from mt_data.tokenizer import SPECIAL_TOKEN_FILES, load_tokenizer
 from mt_models import MODEL_FAMILIES, GptOssConfig, load_hf, load_hf_into, save_hf_tensors
 from mt_models.configs import TRAINING_ONLY_FIELDS
-from mt_models.hf_io import read_hf_config
+from mt_models.hf_io import Progress, read_hf_config
 from mt_train.checkpoint import (
     FORMAT_VERSION,
     _rename_durably,
@@ -62,6 +67,8 @@ _STATE_FILE = "train_state.json"
 _OTHER_CHECKPOINT = "give another checkpoint (an earlier step_N of the run, or convert again)"
 # ASCII digits only (\d also takes other scripts' digits); ".5" and "5." are numbers too.
 _SIZE = re.compile(r"^\s*(\d+\.?\d*|\.\d+)\s*((?:[KMGT]i?)?B)?\s*$", re.IGNORECASE | re.ASCII)
+# Tensors read per DCP load call of `read_mt_checkpoint`, when it shows its progress.
+_READ_CHUNK_BYTES = 2 * 2**30
 _UNITS = {
     "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
@@ -199,13 +206,14 @@ def _check_out(out_dir: Path) -> Path:
     return out_dir
 
 
-def hf_to_mt(hf_dir: str | Path, out_dir: str | Path) -> Path:
+def hf_to_mt(hf_dir: str | Path, out_dir: str | Path, progress: bool = False) -> Path:
     """Writes a model-only mt checkpoint from a Hugging Face directory.
 
     Args:
         hf_dir: config.json and safetensors (sharded or not).
         out_dir: the checkpoint directory to create; written into ``.tmp-<name>`` beside
             it, renamed when complete and removed if anything fails.
+        progress: draw a bar on stderr while reading (per Hub tensor) and writing.
 
     Returns:
         The checkpoint directory.
@@ -216,16 +224,20 @@ def hf_to_mt(hf_dir: str | Path, out_dir: str | Path) -> Path:
             f"--hf {hf_dir} is not a Hugging Face directory (config.json + *.safetensors)"
         )
     out_dir = _check_out(out_dir)
-    model = load_hf(hf_dir)
+    with _bar(progress, f"reading {hf_dir}", "tensor") as update:
+        model = load_hf(hf_dir, progress=update)
     family = next(n for n, (_, cls) in MODEL_FAMILIES.items() if type(model) is cls)
     tensors = {f"model/{k}": v.detach() for k, v in model.canonical_parameters().items()}
     tmp = out_dir.with_name(f".tmp-{out_dir.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.parent.mkdir(parents=True, exist_ok=True)
     try:
-        with warnings.catch_warnings():
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        with _bar(progress, f"writing {out_dir}", "B") as update, warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save(tensors, checkpoint_id=tmp)
+            dcp.save(tensors, checkpoint_id=tmp)  # one call: the bar moves when it is done
+            if update is not None:
+                update(total, total)
         config = json.loads(json.dumps({"model_family": family, "model": _asdict(model.config)}))
         state = {"format_version": FORMAT_VERSION, "step": 0, "model_only": True, "config": config}
         (tmp / _STATE_FILE).write_text(json.dumps(state, indent=2))
@@ -239,6 +251,26 @@ def hf_to_mt(hf_dir: str | Path, out_dir: str | Path) -> Path:
     return out_dir
 
 
+@contextmanager
+def _bar(enabled: bool, description: str, unit: str) -> Iterator[Progress | None]:
+    """A tqdm bar on stderr for one phase of a conversion, as the ``progress(done,
+    total)`` callback that mt_models' readers and writers call; None when not enabled."""
+    if not enabled:
+        yield None
+        return
+    bar = tqdm(desc=description, unit=unit, unit_scale=unit == "B", file=sys.stderr,
+               dynamic_ncols=True)  # fmt: skip
+
+    def update(done: int, total: int) -> None:
+        bar.total = total
+        bar.update(done - bar.n)
+
+    try:
+        yield update
+    finally:
+        bar.close()
+
+
 def _asdict(config: Any) -> dict[str, Any]:
     return dataclasses.asdict(config)
 
@@ -249,11 +281,15 @@ def shell_override(key: str, value: Any) -> str:
     return shlex.quote(f"{key}={json.dumps(value, separators=(',', ':'))}")
 
 
-def read_mt_checkpoint(path: str | Path) -> tuple[Any, dict[str, torch.Tensor]]:
+def read_mt_checkpoint(
+    path: str | Path, progress: Progress | None = None
+) -> tuple[Any, dict[str, torch.Tensor]]:
     """Reads the model of an mt checkpoint (training or model-only) into CPU tensors.
 
     Args:
         path: a checkpoint directory (``.metadata`` and ``train_state.json``).
+        progress: called as ``progress(done, total)`` in bytes; the tensors are then
+            read in groups of about 2 GiB, one DCP load each.
 
     Returns:
         (model config, Hub key → whole tensor in its stored dtype).
@@ -264,9 +300,20 @@ def read_mt_checkpoint(path: str | Path) -> tuple[Any, dict[str, torch.Tensor]]:
         f"model/{key}": torch.empty(shape, dtype=dtype)
         for key, (shape, dtype) in checkpoint_model_tensors(path).items()
     }
+    sizes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
+    groups: list[list[str]] = [[]]
+    for key in tensors:
+        if progress is not None and sum(sizes[k] for k in groups[-1]) >= _READ_CHUNK_BYTES:
+            groups.append([])
+        groups[-1].append(key)
+    done = 0
     with warnings.catch_warnings(), reading_checkpoint(path, _OTHER_CHECKPOINT):
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(tensors, checkpoint_id=path)
+        for group in groups:
+            dcp.load({k: tensors[k] for k in group}, checkpoint_id=path)
+            done += sum(sizes[k] for k in group)
+            if progress is not None:
+                progress(done, sum(sizes.values()))
     return model_config, {k.removeprefix("model/"): v for k, v in tensors.items()}
 
 
@@ -328,7 +375,12 @@ def checkpoint_model_config(path: Path) -> Any:
         ) from None
 
 
-def mt_to_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: int = 5 * 10**9) -> Path:
+def mt_to_hf(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    max_shard_size: int = 5 * 10**9,
+    progress: bool = False,
+) -> Path:
     """Writes a Hugging Face directory from an mt checkpoint.
 
     All or nothing: every file is written into ``.tmp-<name>`` beside ``out_dir``, which
@@ -347,6 +399,7 @@ def mt_to_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: int = 
             files found in the checkpoint directory or the training tokenizer, see
             `training_tokenizer`).
         max_shard_size: largest safetensors shard in bytes.
+        progress: draw a bar on stderr while reading and writing (per shard).
 
     Returns:
         The output directory.
@@ -354,7 +407,8 @@ def mt_to_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: int = 
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     out_dir = _check_out(out_dir)
     tokenizer = training_tokenizer(checkpoint)  # before the slow reading
-    model_config, canonical = read_mt_checkpoint(checkpoint)
+    with _bar(progress, f"reading {checkpoint}", "B") as update:
+        model_config, canonical = read_mt_checkpoint(checkpoint, update)
     family = next(n for n, (cls, _) in MODEL_FAMILIES.items() if isinstance(model_config, cls))
     with torch.device("meta"):
         targets = MODEL_FAMILIES[family][1](model_config).canonical_parameters()
@@ -364,7 +418,8 @@ def mt_to_hf(checkpoint: str | Path, out_dir: str | Path, max_shard_size: int = 
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.parent.mkdir(parents=True, exist_ok=True)
     try:
-        save_hf_tensors(family, model_config, canonical, tmp, max_shard_size, dtype)
+        with _bar(progress, f"writing {out_dir}", "B") as update:
+            save_hf_tensors(family, model_config, canonical, tmp, max_shard_size, dtype, update)
         _copy_tokenizer_files(checkpoint, tmp)
         if tokenizer is not None and not (tmp / "tokenizer.json").exists():
             shutil.copy2(tokenizer, tmp / "tokenizer.json")
