@@ -13,7 +13,7 @@ from mt_data import default_corpus_dir
 from mt_train.checkpoint import checkpoint_root, list_checkpoints
 from mt_train.overrides import resolve_config
 from mt_train.recipes import get_recipe
-from mt_train.train import pretrain
+from mt_train.train import pretrain, setup
 
 
 def _cfg(run_dir, *overrides):
@@ -428,3 +428,22 @@ def test_the_run_config_is_on_disk_before_it_replaces_the_old_one(tmp_path, monk
     ours = [e for e in events if e[1] == "config.json.tmp"]
     assert ours == [("fsync", "config.json.tmp"), ("replace", "config.json.tmp")]
     assert json.loads((tmp_path / "config.json").read_text())["run_dir"] == str(tmp_path)
+
+
+def test_a_validation_asking_more_samples_than_the_held_out_corpus_has_is_warned(
+    tmp_path, caplog
+):
+    # The held-out loader starts over when it runs out: samples were evaluated twice
+    # without a word.
+    validation = [f"validation.path={default_corpus_dir()}", "validation.interval=5"]
+    with caplog.at_level(logging.WARNING, logger="mt_train"):
+        state = setup(_cfg(tmp_path / "few", *validation, "validation.steps=1"))
+    state.run_lock.close()
+    assert "evaluated more than once" not in caplog.text
+    held_out = state.val_dataset.num_samples
+    steps = held_out // state.cfg.training.global_batch_size + 1
+    with caplog.at_level(logging.WARNING, logger="mt_train"):
+        state = setup(_cfg(tmp_path / "many", *validation, f"validation.steps={steps}"))
+    state.run_lock.close()
+    assert f"holds {held_out} of seq_len" in caplog.text
+    assert "evaluated more than once" in caplog.text

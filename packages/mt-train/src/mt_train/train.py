@@ -230,6 +230,15 @@ def _open_datasets(cfg: JobConfig, data_dir: Path) -> tuple[TokenDataset, TokenD
         except ValueError as e:
             raise ValueError(f"validation.path: {e}") from None
         _check_same_tokenization(dataset, data_dir, val_dataset, cfg.validation.path)
+        wanted = cfg.validation.steps * cfg.training.global_batch_size
+        if wanted > val_dataset.num_samples:
+            log.warning(
+                "validation evaluates %d samples (validation.steps %d x global_batch_size %d) "
+                "but %s holds %d of seq_len %d: some are evaluated more than once; lower "
+                "validation.steps or give a larger held-out corpus",
+                wanted, cfg.validation.steps, cfg.training.global_batch_size,
+                cfg.validation.path, val_dataset.num_samples, cfg.data.seq_len,
+            )  # fmt: skip
     return dataset, val_dataset
 
 
