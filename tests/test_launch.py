@@ -67,3 +67,57 @@ def test_sigterm_to_the_torchrun_wrapper_saves_exits_zero_and_the_rerun_resumes(
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert f"(step {saved[-1]})" in rerun.stderr
     assert _logged_steps(run_dir) == list(range(1, saved[-1] + 2))
+
+
+# A stand-in for torchrun: it notes each SIGTERM it gets and, after the first, lets its
+# "workers" finish (they write the exit file, as rank 0 does after a clean stop) and exits
+# 1, as torchrun does after forwarding a signal.
+FAKE_TORCHRUN = r"""#!/usr/bin/env bash
+log="$FAKE_LOG"
+trap 'echo TERM >>"$log"; stopping=1' TERM
+echo ready >>"$log"
+stopping=0
+while [[ "$stopping" == 0 ]]; do sleep 0.05; done
+sleep 1  # the workers save
+echo '{"step": 7, "reason": "signal"}' >"$MT_TRAIN_EXIT_FILE"
+exit 1
+"""
+
+
+def test_the_wrapper_forwards_one_sigterm_and_a_sigusr1_to_every_process_spares_torchrun(
+    tmp_path,
+):
+    # Under SLURM a signal reaches every process of the job step (`--signal=USR1@120`,
+    # `scancel --signal`), torchrun included, and the scheduler may repeat SIGTERM.
+    # torchrun does not handle SIGUSR1 (its default action kills it, orphaning the
+    # workers) and gives up its 30 s grace period at a third SIGTERM, so the wrapper must
+    # keep torchrun alive through both and forward only the first signal.
+    fake = tmp_path / "fake_python"
+    fake.write_text(FAKE_TORCHRUN)
+    fake.chmod(0o755)
+    log = tmp_path / "fake.log"
+    env = {**os.environ, "PYTHON": str(fake), "FAKE_LOG": str(log), "NPROC_PER_NODE": "1"}
+    proc = subprocess.Popen(
+        ["bash", str(ROOT / "tools/launch/torchrun.sh"), "-m", "x"],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not (log.exists() and "ready" in log.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1]
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGUSR1)  # the wrapper and the fake torchrun
+        time.sleep(0.3)
+        for _ in range(3):
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.1)
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, stderr
+    assert log.read_text().split() == ["ready", "TERM"], stderr
+    assert "stopped cleanly after a signal" in stderr

@@ -12,8 +12,13 @@
 # Signals: SIGTERM, SIGINT and SIGUSR1 (SLURM's early warning, see sbatch_example.sh) are
 # forwarded to torchrun as SIGTERM; torchrun passes it to the workers, which save a
 # checkpoint at the next step boundary and exit 0, then SIGKILLs them after 30 s.
-# torchrun itself exits non-zero after forwarding a signal, so this wrapper asks rank 0
-# to write $MT_TRAIN_EXIT_FILE after a clean stop and exits 0 when it did.
+# torchrun itself exits non-zero after forwarding a signal, so this wrapper asks each
+# node's local rank 0 to write $MT_TRAIN_EXIT_FILE after a clean stop and exits 0 when it
+# did. SLURM signals every process of a job step (--signal=USR1@120 without B:, scancel
+# --signal, srun forwarding sbatch_example.sh's USR1), torchrun included: torchrun runs
+# with SIGUSR1 ignored (unhandled, it would kill torchrun and orphan the workers), and
+# only the first signal is forwarded (torchrun abandons its grace period, and leaves the
+# workers running on their own, at its third SIGTERM).
 set -uo pipefail
 
 if [[ -n "${NPROC_PER_NODE:-}" ]]; then
@@ -42,6 +47,7 @@ rm -f "$exit_file"
 export MT_TRAIN_EXIT_FILE="$exit_file"
 signalled=0
 forward() {
+  [[ "$signalled" == 1 ]] && return  # torchrun is already stopping the workers
   signalled=1
   echo "torchrun.sh: received $1; asking the workers to save and stop" >&2
   [[ -n "${child:-}" ]] && kill -TERM "$child" 2>/dev/null
@@ -51,7 +57,9 @@ trap 'forward SIGINT' INT
 trap 'forward SIGUSR1' USR1
 
 echo "torchrun.sh: ${nproc} process(es) per node, ${rdzv[*]}" >&2
-"${PYTHON:-python}" -m torch.distributed.run --nproc-per-node="$nproc" "${rdzv[@]}" "$@" &
+# SIGUSR1 stays ignored across exec; the workers set their own handler (mt_train.faults).
+(trap '' USR1; exec "${PYTHON:-python}" -m torch.distributed.run --nproc-per-node="$nproc" \
+  "${rdzv[@]}" "$@") &
 child=$!
 # `wait` returns early when a trapped signal arrives; wait again until torchrun is gone.
 while true; do
