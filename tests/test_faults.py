@@ -824,3 +824,23 @@ def test_a_checkpoint_with_the_shared_rng_key_of_older_versions_still_resumes_it
     state = setup(_cfg(tmp_path, "training.max_steps=2"))
     state.run_lock.close()
     assert state.step == 1 and torch.equal(torch.get_rng_state(), saved)
+
+
+def test_each_nodes_local_rank_0_writes_its_wrappers_exit_file(tmp_path, monkeypatch):
+    # tools/launch/torchrun.sh runs once per node, each with its own $MT_TRAIN_EXIT_FILE
+    # (mktemp), and exits 0 after a signal only when that file was written: on a node
+    # without global rank 0 the wrapper reported a clean stop as a failure (and srun's
+    # --kill-on-bad-exit then killed the other nodes' tasks).
+    from types import SimpleNamespace
+
+    from mt_train.distributed import Env
+    from mt_train.faults import EXIT_FILE_ENV, write_exit_file
+
+    for rank, local_rank in ((8, 0), (9, 1), (0, 0)):
+        path = tmp_path / f"exit_{rank}"
+        monkeypatch.setenv(EXIT_FILE_ENV, str(path))
+        env = Env(rank=rank, world_size=16, local_rank=local_rank, device=torch.device("cpu"))
+        write_exit_file(SimpleNamespace(env=env, step=7, stop_requested=True))
+        written = json.loads(path.read_text()) if path.exists() else None
+        expected = {"step": 7, "reason": "signal"} if local_rank == 0 else None
+        assert written == expected, (rank, local_rank)

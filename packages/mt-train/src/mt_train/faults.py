@@ -22,8 +22,9 @@ log = logging.getLogger("mt_train")
 # Signals that ask for a save and a clean exit: SIGUSR1 is what SLURM sends early
 # (sbatch --signal=B:USR1@120, tools/launch/sbatch_example.sh).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
-# tools/launch/torchrun.sh names a file here; rank 0 writes it after a clean stop, so the
-# wrapper can report success although torchrun exits non-zero after forwarding a signal.
+# tools/launch/torchrun.sh names a file here (one per node); the node's local rank 0 writes
+# it after a clean stop, so the wrapper can report success although torchrun exits
+# non-zero after forwarding a signal.
 EXIT_FILE_ENV = "MT_TRAIN_EXIT_FILE"
 
 
@@ -74,11 +75,15 @@ def stop_on_signals(state):
 def write_exit_file(state) -> None:
     """Tells tools/launch/torchrun.sh, through $MT_TRAIN_EXIT_FILE, of a clean stop.
 
+    Each node runs its own wrapper with its own file, so each node's local rank 0 writes
+    it (global rank 0 alone left the other nodes' wrappers reporting a failure). It is
+    called after the stop's save, which every rank completed together.
+
     Args:
-        state: the loop state; rank 0 writes its step and why it stopped.
+        state: the loop state; the step and why the run stopped are written.
     """
     path = os.environ.get(EXIT_FILE_ENV)
-    if path and state.env.is_main:
+    if path and state.env.local_rank == 0:
         reason = "signal" if state.stop_requested else "finished"
         tmp = Path(path + ".tmp")
         tmp.write_text(json.dumps({"step": state.step, "reason": reason}))
