@@ -844,3 +844,31 @@ def test_each_nodes_local_rank_0_writes_its_wrappers_exit_file(tmp_path, monkeyp
         written = json.loads(path.read_text()) if path.exists() else None
         expected = {"step": 7, "reason": "signal"} if local_rank == 0 else None
         assert written == expected, (rank, local_rank)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_signal_during_setup_stops_before_the_first_step_keeping_the_last_checkpoint(
+    tmp_path, monkeypatch, signum
+):
+    # A preemption while a run resumes (building the model, reading the checkpoint) used
+    # to meet the default handler: the process died by the signal (exit 143, or 138 for
+    # SLURM's SIGUSR1), and under torchrun.sh the stop counted as a failure.
+    pretrain(_cfg(tmp_path, "training.max_steps=2", "checkpoint.interval=2"))
+    real_resume = train_module._resume_or_start
+
+    def resume_after_a_signal(state, run_dir):
+        os.kill(os.getpid(), signum)  # arrives in the middle of setup
+        return real_resume(state, run_dir)
+
+    monkeypatch.setattr(train_module, "_resume_or_start", resume_after_a_signal)
+    monkeypatch.setenv("MT_TRAIN_EXIT_FILE", str(tmp_path / "exit.json"))
+    outside = []
+    previous = signal.signal(signum, lambda signum, frame: outside.append(signum))
+    try:
+        stopped = pretrain(_cfg(tmp_path, "training.max_steps=4", "checkpoint.interval=2"))
+    finally:
+        signal.signal(signum, previous)
+    assert outside == [], "the signal reached the handler from before the run"
+    assert stopped.stop_requested and stopped.step == 2 and stopped.losses == []
+    assert _steps(tmp_path) == [2]
+    assert json.loads((tmp_path / "exit.json").read_text()) == {"step": 2, "reason": "signal"}

@@ -1,7 +1,8 @@
 """How the loop meets faults: stop signals, non-finite steps, and the launcher's exit file.
 
 SIGTERM, SIGINT and SIGUSR1 set a flag; the ranks agree on it at each step boundary
-(`agree_to_stop`), save, and return normally, so the process exits 0.
+(`agree_to_stop`), save, and return normally, so the process exits 0. SIGTERM and SIGUSR1
+during setup are kept too, and the run stops before its first step.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ log = logging.getLogger("mt_train")
 # Signals that ask for a save and a clean exit: SIGUSR1 is what SLURM sends early
 # (sbatch --signal=B:USR1@120, tools/launch/sbatch_example.sh).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+# The scheduler's among them, which setup defers too (`pretrain`); a Ctrl-C there still
+# ends the process at once, as nothing was trained yet.
+SCHEDULER_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 # tools/launch/torchrun.sh names a file here (one per node); the node's local rank 0 writes
 # it after a clean stop, so the wrapper can report success although torchrun exits
 # non-zero after forwarding a signal.
@@ -33,8 +37,8 @@ class NonFiniteError(RuntimeError):
 
 
 @contextlib.contextmanager
-def stop_on_signals(state):
-    """While active, SIGTERM, SIGINT and SIGUSR1 set ``state.signal_received``.
+def stop_on_signals(state, signals=STOP_SIGNALS):
+    """While active, SIGTERM, SIGINT and SIGUSR1 (`signals`) set ``state.signal_received``.
 
     The loop then saves and stops at the next step boundary, where `agree_to_stop` sets
     ``state.stop_requested`` on every rank at once. The handler never sets that flag
@@ -48,7 +52,9 @@ def stop_on_signals(state):
     no handlers, signals keep their current handling.
 
     Args:
-        state: the loop state (`mt_train.train.TrainState`).
+        state: the loop state (`mt_train.train.TrainState`), or any object with a
+            ``signal_received`` attribute (`pretrain` uses one during setup).
+        signals: the signals to handle.
     """
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
 
@@ -64,7 +70,7 @@ def stop_on_signals(state):
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {sig: signal.signal(sig, request_stop) for sig in STOP_SIGNALS}
+    previous = {sig: signal.signal(sig, request_stop) for sig in signals}
     try:
         yield
     finally:

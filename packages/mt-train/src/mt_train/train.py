@@ -19,6 +19,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, TextIO
 
 import torch
@@ -53,7 +54,13 @@ from mt_train.convert import (
     shell_override,
 )
 from mt_train.distributed import Env, all_reduce, failing_together, init_distributed
-from mt_train.faults import NonFiniteError, agree_to_stop, stop_on_signals, write_exit_file
+from mt_train.faults import (
+    SCHEDULER_SIGNALS,
+    NonFiniteError,
+    agree_to_stop,
+    stop_on_signals,
+    write_exit_file,
+)
 from mt_train.metrics import MetricsLogger, build_sinks, peak_flops
 from mt_train.optim import build_optimizer, lr_at, set_lr
 from mt_train.overrides import flatten
@@ -738,17 +745,24 @@ def pretrain(cfg: JobConfig, *, stream: TextIO | None = None) -> TrainState:
     Returns:
         The final loop state (`state.losses` holds this invocation's losses).
     """
-    state = setup(cfg)
-    try:
-        return _train(state, stream)
-    finally:
-        if state.run_lock is not None:
-            state.run_lock.close()  # the run_dir is free for the next run
-            state.run_lock = None
+    # A preemption during setup (minutes, for a large resume) stops the run before its
+    # first step, exiting 0 with the last checkpoint kept, instead of killing it.
+    during_setup = SimpleNamespace(signal_received=False)
+    with stop_on_signals(during_setup, SCHEDULER_SIGNALS):
+        state = setup(cfg)
+        try:
+            return _train(state, stream, during_setup)
+        finally:
+            if state.run_lock is not None:
+                state.run_lock.close()  # the run_dir is free for the next run
+                state.run_lock = None
 
 
-def _train(state: TrainState, stream: TextIO | None) -> TrainState:
-    """The loop of `pretrain` on a set-up state."""
+def _train(
+    state: TrainState, stream: TextIO | None, during_setup: SimpleNamespace | None = None
+) -> TrainState:
+    """The loop of `pretrain` on a set-up state; `during_setup` holds whether a signal
+    came before the loop's own handlers were set."""
     cfg = state.cfg
     max_steps = cfg.training.max_steps
     if state.step >= max_steps:
@@ -786,6 +800,9 @@ def _train(state: TrainState, stream: TextIO | None) -> TrainState:
     )
     try:
         with stop_on_signals(state):
+            if during_setup is not None and during_setup.signal_received:
+                state.signal_received = True
+            state.stop_requested = agree_to_stop(state)  # a signal during setup, on any rank
             while state.step < max_steps and not state.stop_requested:
                 data_start = time.perf_counter()
                 try:
