@@ -872,3 +872,15 @@ def test_a_signal_during_setup_stops_before_the_first_step_keeping_the_last_chec
     assert stopped.stop_requested and stopped.step == 2 and stopped.losses == []
     assert _steps(tmp_path) == [2]
     assert json.loads((tmp_path / "exit.json").read_text()) == {"step": 2, "reason": "signal"}
+
+
+def test_a_run_dir_that_cannot_be_written_is_a_value_error_naming_it(tmp_path):
+    # A read-only run_dir (a mount, another user's directory) failed with a traceback
+    # from opening the lock file. Root ignores permissions, so a directory stands in for
+    # the lock file that cannot be opened for writing.
+    (tmp_path / ".lock").mkdir()
+    with pytest.raises(ValueError, match=rf"run_dir {re.escape(str(tmp_path))} cannot be "
+                       r"written \(.*\.lock.*\); make it writable or choose another "
+                       r"run_dir"):  # fmt: skip
+        pretrain(_cfg(tmp_path, "training.max_steps=1"))
+    assert not checkpoint_root(tmp_path).exists()

@@ -317,7 +317,12 @@ def _lock_run_dir(run_dir: Path) -> TextIO:
         The open lock file; closing it frees the run_dir.
     """
     path = run_dir / ".lock"
-    lock = open(path, "a+")  # noqa: SIM115 (held for the run; closed by pretrain)
+    try:
+        lock = open(path, "a+")  # noqa: SIM115 (held for the run; closed by pretrain)
+    except OSError as e:  # a read-only file system, no permission, ...
+        raise ValueError(
+            f"run_dir {run_dir} cannot be written ({e}); make it writable or choose another run_dir"
+        ) from None
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
