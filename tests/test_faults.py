@@ -884,3 +884,22 @@ def test_a_run_dir_that_cannot_be_written_is_a_value_error_naming_it(tmp_path):
                        r"run_dir"):  # fmt: skip
         pretrain(_cfg(tmp_path, "training.max_steps=1"))
     assert not checkpoint_root(tmp_path).exists()
+
+
+def test_a_signal_during_a_periodic_save_stops_right_after_it_without_another_step(
+    tmp_path, monkeypatch
+):
+    # torchrun SIGKILLs 30 s after forwarding a signal. One that came while a checkpoint
+    # was being written made the run train another step and write a second checkpoint
+    # in that time, when the one just written already held the stop's step.
+    real_save = train_module._save
+
+    def save_during_a_signal(state, writer):
+        if state.step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_save(state, writer)
+
+    monkeypatch.setattr(train_module, "_save", save_during_a_signal)
+    stopped = pretrain(_cfg(tmp_path, "training.max_steps=50", "checkpoint.interval=2"))
+    assert stopped.stop_requested and stopped.step == 2 and len(stopped.losses) == 2
+    assert _steps(tmp_path) == [2]

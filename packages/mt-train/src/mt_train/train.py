@@ -853,6 +853,10 @@ def _train(
                 if interval and state.step % interval == 0:
                     _save(state, writer)
                     last_saved = state.step
+                    if not state.stop_requested:  # (agreed, so every rank asks or none)
+                        # A signal during the save: it holds this step, so stop now
+                        # rather than train and save once more within torchrun's grace.
+                        state.stop_requested = agree_to_stop(state)
             # Still under the handlers: a repeated SIGTERM (the scheduler's, then
             # torchrun's forward) during this save must not kill it half-written.
             if state.step != last_saved:
