@@ -8,11 +8,13 @@ written asynchronously (every 3 steps and at the stop). A rerun in one process r
 from the saved step.
 """
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -121,3 +123,46 @@ def test_the_wrapper_forwards_one_sigterm_and_a_sigusr1_to_every_process_spares_
     assert proc.returncode == 0, stderr
     assert log.read_text().split() == ["ready", "TERM"], stderr
     assert "stopped cleanly after a signal" in stderr
+
+
+def test_a_signal_that_comes_before_torchrun_starts_stops_the_wrapper_there(tmp_path):
+    # The wrapper sets its traps before it starts torchrun; a signal in between must not
+    # be lost (torchrun trained on, and later signals were not forwarded). The wrapper is
+    # held between the two by a full stderr pipe (its first write).
+    fake = tmp_path / "fake_python"
+    fake.write_text(FAKE_TORCHRUN)
+    fake.chmod(0o755)
+    log = tmp_path / "fake.log"
+    env = {**os.environ, "PYTHON": str(fake), "FAKE_LOG": str(log), "NPROC_PER_NODE": "1"}
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            os.write(write_end, b"x" * 4096)
+    os.set_blocking(write_end, True)
+    proc = subprocess.Popen(
+        ["bash", str(ROOT / "tools/launch/torchrun.sh"), "-m", "x"],
+        env=env,
+        stderr=write_end,
+        start_new_session=True,
+    )
+    os.close(write_end)
+    chunks = []
+    try:
+        deadline = time.monotonic() + 30
+        while not Path(f"/proc/{proc.pid}/wchan").read_text().endswith("pipe_write"):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        read_all = lambda: chunks.extend(iter(lambda: os.read(read_end, 65536), b""))  # noqa: E731
+        threading.Thread(target=read_all, daemon=True).start()
+        proc.wait(timeout=15)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    output = b"".join(chunks).lstrip(b"x").decode()
+    assert proc.returncode == 0, output
+    assert "stopped by a signal before torchrun started" in output
+    assert not log.exists(), "torchrun was started"

@@ -46,21 +46,27 @@ exit_file="$(mktemp "${TMPDIR:-/tmp}/mt-train-exit.XXXXXX")"
 rm -f "$exit_file"
 export MT_TRAIN_EXIT_FILE="$exit_file"
 signalled=0
+forwarded=0
 forward() {
-  [[ "$signalled" == 1 ]] && return  # torchrun is already stopping the workers
   signalled=1
+  [[ "$forwarded" == 1 ]] && return  # torchrun is already stopping the workers
   echo "torchrun.sh: received $1; asking the workers to save and stop" >&2
-  [[ -n "${child:-}" ]] && kill -TERM "$child" 2>/dev/null
+  [[ -n "${child:-}" ]] && forwarded=1 && kill -TERM "$child" 2>/dev/null
 }
 trap 'forward SIGTERM' TERM
 trap 'forward SIGINT' INT
 trap 'forward SIGUSR1' USR1
 
 echo "torchrun.sh: ${nproc} process(es) per node, ${rdzv[*]}" >&2
+if [[ "$signalled" == 1 ]]; then  # nothing has run yet, so nothing is left to save
+  echo "torchrun.sh: stopped by a signal before torchrun started" >&2
+  exit 0
+fi
 # SIGUSR1 stays ignored across exec; the workers set their own handler (mt_train.faults).
 (trap '' USR1; exec "${PYTHON:-python}" -m torch.distributed.run --nproc-per-node="$nproc" \
   "${rdzv[@]}" "$@") &
 child=$!
+[[ "$signalled" == 1 ]] && forward "a signal as torchrun started"
 # `wait` returns early when a trapped signal arrives; wait again until torchrun is gone.
 while true; do
   wait "$child"
