@@ -903,3 +903,12 @@ def test_a_signal_during_a_periodic_save_stops_right_after_it_without_another_st
     stopped = pretrain(_cfg(tmp_path, "training.max_steps=50", "checkpoint.interval=2"))
     assert stopped.stop_requested and stopped.step == 2 and len(stopped.losses) == 2
     assert _steps(tmp_path) == [2]
+
+
+def test_a_run_already_at_max_steps_still_writes_the_launchers_exit_file(tmp_path, monkeypatch):
+    # tools/launch/torchrun.sh exits 0 after a signal only if this file was written; a
+    # run with nothing to do (a requeued job that had finished) returned without it.
+    pretrain(_cfg(tmp_path, "training.max_steps=2"))
+    monkeypatch.setenv("MT_TRAIN_EXIT_FILE", str(tmp_path / "exit.json"))
+    assert pretrain(_cfg(tmp_path, "training.max_steps=2")).losses == []
+    assert json.loads((tmp_path / "exit.json").read_text()) == {"step": 2, "reason": "finished"}

@@ -778,6 +778,7 @@ def _train(
             state.step,
             max_steps,
         )
+        write_exit_file(state)  # a clean end, for tools/launch/torchrun.sh
         return state
     metrics = None
     with failing_together("opening the metrics sinks"):  # a missing tensorboard, ...
