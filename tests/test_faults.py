@@ -912,3 +912,19 @@ def test_a_run_already_at_max_steps_still_writes_the_launchers_exit_file(tmp_pat
     monkeypatch.setenv("MT_TRAIN_EXIT_FILE", str(tmp_path / "exit.json"))
     assert pretrain(_cfg(tmp_path, "training.max_steps=2")).losses == []
     assert json.loads((tmp_path / "exit.json").read_text()) == {"step": 2, "reason": "finished"}
+
+
+def test_a_resumed_run_clears_what_a_crashed_save_left_before_its_first_step(tmp_path):
+    # A save killed midway (torchrun's SIGKILL after its grace period, a full disk) leaves
+    # a torn .tmp-step_N as large as a checkpoint. It was removed only by the next save,
+    # checkpoint.interval steps later: after a full disk the rerun failed in setup (no
+    # space for config.json) with the torn save still holding the space.
+    pretrain(_cfg(tmp_path, "training.max_steps=2", "checkpoint.interval=1"))
+    root = checkpoint_root(tmp_path)
+    shutil.copytree(root / "step_00000002", root / ".tmp-step_00000003")
+    (root / ".tmp-step_00000003" / "train_state.json").unlink()
+    shutil.copytree(root / "step_00000001", root / ".old-step_00000001")
+    state = setup(_cfg(tmp_path, "training.max_steps=4", "checkpoint.interval=1"))
+    state.run_lock.close()
+    assert state.step == 2
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000001", "step_00000002"]

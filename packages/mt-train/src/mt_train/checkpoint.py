@@ -332,8 +332,9 @@ def _rename_durably(src: Path, dst: Path) -> None:
     _fsync_dir(dst.parent)
 
 
-def _clear_leftovers(root: Path) -> None:
-    """Before a save (main rank): removes what saves that crashed left in `root`.
+def clear_leftovers(root: Path) -> None:
+    """Before a save, and as a run starts (main rank): removes what saves that crashed
+    left in `root`.
 
     ``.tmp-step_*`` (never resumed) and ``.old-step_*`` (being deleted) go. A
     ``.replaced-step_N`` is the complete old checkpoint of a step that was being saved
@@ -396,7 +397,7 @@ def save_checkpoint(
     tmp = root / f".tmp-step_{step:08d}"
     with failing_together(f"clearing what crashed saves left in {root}"):
         if _is_main():
-            _clear_leftovers(root)
+            clear_leftovers(root)
     tensors = _Tensors(model, optimizer).tensors
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -464,7 +465,7 @@ class AsyncCheckpointer:
             self._group = dist.new_group(backend="gloo")
         with failing_together(f"clearing what crashed saves left in {self.root}"):
             if _is_main():
-                _clear_leftovers(self.root)
+                clear_leftovers(self.root)
         tensors = _Tensors(model, optimizer).tensors
         tmp = self.root / f".tmp-step_{step:08d}"
         with warnings.catch_warnings():

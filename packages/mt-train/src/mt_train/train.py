@@ -42,6 +42,7 @@ from mt_parallel.context_parallel import split_sample
 from mt_train.checkpoint import (
     AsyncCheckpointer,
     checkpoint_root,
+    clear_leftovers,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
@@ -250,8 +251,9 @@ def _open_datasets(cfg: JobConfig, data_dir: Path) -> tuple[TokenDataset, TokenD
 
 
 def _prepare_run_dir(run_dir: Path) -> TextIO:
-    """Main rank: creates the run directory, locks it (`_lock_run_dir`) and creates its
-    checkpoint directory; returns the open lock."""
+    """Main rank: creates the run directory, locks it (`_lock_run_dir`), creates its
+    checkpoint directory and removes what crashed saves left there (a torn one can be as
+    large as a checkpoint); returns the open lock."""
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # a parent is a file, no permission, ...
@@ -267,6 +269,11 @@ def _prepare_run_dir(run_dir: Path) -> TextIO:
             f"the checkpoint directory {checkpoint_root(run_dir)} cannot be created "
             f"({e}); move what is there away or choose another run_dir"
         ) from None
+    try:
+        clear_leftovers(checkpoint_root(run_dir))
+    except BaseException:
+        lock.close()
+        raise
     return lock
 
 
