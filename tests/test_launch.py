@@ -166,3 +166,55 @@ def test_a_signal_that_comes_before_torchrun_starts_stops_the_wrapper_there(tmp_
     assert proc.returncode == 0, output
     assert "stopped by a signal before torchrun started" in output
     assert not log.exists(), "torchrun was started"
+
+
+FAKE_SRUN = r"""#!/usr/bin/env bash
+# Stands in for srun: runs until the test lets it finish, then exits 0.
+trap '' USR1 TERM
+echo running >"$FAKE_DIR/srun.log"
+while [[ ! -e "$FAKE_DIR/finish" ]]; do sleep 0.05; done
+exit 0
+"""
+
+
+def test_sbatch_example_exits_with_the_runs_status_when_the_signal_meets_its_end(tmp_path):
+    # SLURM's early SIGUSR1 interrupts the batch shell's `wait` (status 138); when srun
+    # ended meanwhile (the run finished just then) that 138 was the job's exit status, a
+    # failed job in SLURM's accounting and for afterok dependencies, instead of srun's 0.
+    # The batch shell is held in its trap by a full stdout pipe while srun ends.
+    (tmp_path / "srun").write_text(FAKE_SRUN)
+    (tmp_path / "srun").chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "FAKE_DIR": str(tmp_path)}
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            os.write(write_end, b"x" * 4096)
+    os.set_blocking(write_end, True)
+    proc = subprocess.Popen(
+        ["bash", str(ROOT / "tools/launch/sbatch_example.sh"), "tiny"],
+        env=env,
+        stdout=write_end,
+        start_new_session=True,
+    )
+    os.close(write_end)
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "srun.log").exists():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        time.sleep(0.2)  # the batch shell sets its traps and waits
+        proc.send_signal(signal.SIGUSR1)
+        while not Path(f"/proc/{proc.pid}/wchan").read_text().endswith("pipe_write"):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        (tmp_path / "finish").touch()  # srun ends while the trap is held
+        time.sleep(0.5)
+        read_all = lambda: list(iter(lambda: os.read(read_end, 65536), b""))  # noqa: E731
+        threading.Thread(target=read_all, daemon=True).start()
+        proc.wait(timeout=15)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0

@@ -29,9 +29,9 @@ srun --kill-on-bad-exit=1 bash "$here/torchrun.sh" -m mt_train pretrain "$@" &
 step=$!
 trap 'echo "sbatch: time limit near; asking the run to save"; kill -USR1 "$step"' USR1
 trap 'kill -TERM "$step"' TERM
-while true; do
+while kill -0 "$step" 2>/dev/null; do
   wait "$step"
-  rc=$?
-  kill -0 "$step" 2>/dev/null || break
 done
+wait "$step"  # its own status (bash keeps it), not 128+N of a wait a trap cut short
+rc=$?
 exit "$rc"

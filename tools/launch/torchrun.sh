@@ -68,11 +68,11 @@ fi
 child=$!
 [[ "$signalled" == 1 ]] && forward "a signal as torchrun started"
 # `wait` returns early when a trapped signal arrives; wait again until torchrun is gone.
-while true; do
+while kill -0 "$child" 2>/dev/null; do
   wait "$child"
-  rc=$?
-  kill -0 "$child" 2>/dev/null || break
 done
+wait "$child"  # its own status (bash keeps it), not 128+N of a wait a trap cut short
+rc=$?
 if [[ "$signalled" == 1 && -f "$exit_file" ]]; then
   echo "torchrun.sh: stopped cleanly after a signal: $(cat "$exit_file")" >&2
   rc=0
