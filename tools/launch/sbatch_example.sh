@@ -23,8 +23,9 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
 # submit directory (submit from the repository root).
 here="${SLURM_SUBMIT_DIR:-$PWD}/tools/launch"
 
-# srun starts the wrapper once per node; the batch shell keeps the signal for itself
-# (B:) and forwards it, so torchrun's agents are never killed by an unhandled SIGUSR1.
+# srun starts the wrapper once per node; the batch shell gets the signal (B:) and passes
+# it to srun, which signals the processes of the step: the workers and each node's
+# torchrun.sh (which runs torchrun with SIGUSR1 ignored, as torchrun does not handle it).
 srun --kill-on-bad-exit=1 bash "$here/torchrun.sh" -m mt_train pretrain "$@" &
 step=$!
 trap 'echo "sbatch: time limit near; asking the run to save"; kill -USR1 "$step"' USR1
