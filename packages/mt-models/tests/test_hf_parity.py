@@ -491,3 +491,142 @@ def test_load_balancing_loss_and_its_router_gradients_match_transformers_aux_los
         ref_grad, grad = reference.get_parameter(key).grad, ours.get_parameter(key).grad
         error = (grad - ref_grad).norm().item()
         assert error <= 1e-5 * ref_grad.norm().item() + 1e-12, (key, error)
+
+
+# The released config.json files, scaled down but with every key they carry (the older
+# rope_theta + rope_scaling spelling, keys transformers ignores such as ep_size,
+# max_window_layers, experts_per_token): DeepSeek-V2 (q LoRA, 6 of 16 experts in 8 groups,
+# 3 groups kept, routed weights × 16, YaRN with mscale), DeepSeek-V2-Lite (greedy),
+# Qwen3-30B-A3B, and gpt-oss-20b (without its MXFP4 quantization_config).
+_DEEPSEEK_V2_HUB = {
+    "aux_loss_alpha": 0.003,
+    "ep_size": 1,
+    "first_k_dense_replace": 1,
+    "hidden_act": "silu",
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "kv_lora_rank": 32,
+    "max_position_embeddings": 163840,
+    "moe_intermediate_size": 24,
+    "moe_layer_freq": 1,
+    "n_group": 8,
+    "n_routed_experts": 16,
+    "n_shared_experts": 2,
+    "norm_topk_prob": False,
+    "num_attention_heads": 4,
+    "num_experts_per_tok": 6,
+    "num_key_value_heads": 4,
+    "pretraining_tp": 1,
+    "q_lora_rank": 48,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "rope_theta": 10000,
+    "routed_scaling_factor": 16.0,
+    "scoring_func": "softmax",
+    "seq_aux": True,
+    "topk_group": 3,
+    "topk_method": "group_limited_greedy",
+    "v_head_dim": 16,
+}
+HUB_CONFIGS = {
+    "deepseek_v2": dict(_DEEPSEEK_V2_HUB, model_type="deepseek_v2"),
+    "deepseek_v2_lite": dict(
+        _DEEPSEEK_V2_HUB,
+        model_type="deepseek_v2",
+        q_lora_rank=None,
+        topk_method="greedy",
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=1.0,
+    ),
+    "qwen3_30b_a3b": {
+        "model_type": "qwen3_moe",
+        "decoder_sparse_step": 1,
+        "head_dim": 16,
+        "hidden_act": "silu",
+        "hidden_size": 48,
+        "intermediate_size": 64,
+        "max_position_embeddings": 40960,
+        "max_window_layers": 2,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": 24,
+        "norm_topk_prob": True,
+        "num_attention_heads": 4,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "num_key_value_heads": 2,
+        "rope_scaling": None,
+        "rope_theta": 1000000.0,
+        "sliding_window": None,
+        "use_sliding_window": False,
+    },
+    "gpt_oss_20b": {
+        "model_type": "gpt_oss",
+        "attention_bias": True,
+        "experts_per_token": 2,
+        "head_dim": 16,
+        "hidden_act": "silu",
+        "hidden_size": 48,
+        "initial_context_length": 4096,
+        "intermediate_size": 24,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "max_position_embeddings": 131072,
+        "num_attention_heads": 4,
+        "num_experts_per_tok": 2,
+        "num_key_value_heads": 2,
+        "num_local_experts": 8,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": {
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "rope_type": "yarn",
+            "truncate": False,
+        },
+        "rope_theta": 150000,
+        "router_aux_loss_coef": 0.9,
+        "sliding_window": 8,
+        "swiglu_limit": 7.0,
+    },
+}
+
+
+@pytest.mark.parametrize("name", list(HUB_CONFIGS))
+def test_released_config_json_files_build_what_transformers_builds(name, hf, tmp_path):
+    import transformers
+
+    data = {
+        **HUB_CONFIGS[name],
+        "vocab_size": VOCAB,
+        "num_hidden_layers": 3,
+        "tie_word_embeddings": False,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    reference = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager"
+    ).float()
+    hf.randomize(reference, seed=13)
+    reference.save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(data))  # the file as released
+    ours = load_hf(tmp_path)
+    ids, _ = _inputs(11)
+    # Far along (YaRN's scaled frequencies matter) and, apart from GPT-OSS (whose
+    # transformers code builds its masks without position_ids), two packed documents.
+    far = torch.arange(3000, 3000 + SEQ_LEN)[None].expand(2, -1)
+    packed = torch.cat([torch.arange(10), torch.arange(SEQ_LEN - 10)])[None].expand(2, -1)
+    positions = [far] if data["model_type"] == "gpt_oss" else [far, packed]
+    with torch.no_grad():
+        for pos in positions:
+            ref_logits = reference(ids, position_ids=pos, use_cache=False).logits
+            assert (ours(ids, position_ids=pos) - ref_logits).abs().max().item() <= 1e-4
