@@ -447,3 +447,28 @@ def test_a_validation_asking_more_samples_than_the_held_out_corpus_has_is_warned
     state.run_lock.close()
     assert f"holds {held_out} of seq_len" in caplog.text
     assert "evaluated more than once" in caplog.text
+
+
+@pytest.mark.parametrize(("world_size", "code"), [("2", 0), ("2", 1), (None, 0)])
+def test_the_script_leaves_a_finished_rank_of_several_with_os_exit(monkeypatch, world_size,
+                                                                   code):  # fmt: skip
+    # gloo's teardown in the interpreter's exit aborted a rank of a finished torchrun run
+    # now and then even with the group destroyed (SIGABRT; torchrun reported a failure).
+    import mt_train.cli as cli
+
+    exits = []
+
+    def os_exit(status):
+        exits.append(("os._exit", status))
+        raise SystemExit(status)
+
+    monkeypatch.setattr(cli, "main", lambda: code)
+    monkeypatch.setattr(cli.os, "_exit", os_exit)
+    if world_size is None:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("WORLD_SIZE", world_size)
+    with pytest.raises(SystemExit) as raised:
+        cli.entry()
+    assert raised.value.code == code
+    assert exits == ([("os._exit", 0)] if world_size and code == 0 else [])

@@ -210,6 +210,25 @@ def _configure_logging() -> None:
     logger.propagate = False
 
 
+def entry() -> None:
+    """The ``mt-train`` script and ``python -m mt_train``: runs `main` and exits with its code.
+
+    A rank of a multi-process run (torchrun sets ``WORLD_SIZE`` > 1) that finished leaves
+    with ``os._exit`` once its streams and logs are flushed. `main` has already destroyed
+    the process group, yet gloo's teardown in the interpreter's exit still aborted a rank
+    of a finished run now and then ("terminate called without an active exception",
+    SIGABRT; torchrun then reports the run failed: seen in CI with two CPU ranks under
+    load). Every file the run writes is closed and synced by then.
+    """
+    code = main()
+    if code == 0 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    sys.exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the command line; returns the exit code.
 
