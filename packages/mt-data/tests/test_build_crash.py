@@ -98,6 +98,33 @@ def _without_flock(monkeypatch, error=None) -> None:
     monkeypatch.setattr(fcntl, "flock", no_flock)
 
 
+def _second_writes_while_the_first_finalizes(monkeypatch, second, second_is_writing,
+                                             first_is_done):  # fmt: skip
+    """Interleaves two builds of one shard: the first (this thread) starts `second` as it
+    finalizes and waits until `second` has written a batch; `second` then waits for
+    `first_is_done`."""
+    import threading
+
+    from mt_data.indexed import IndexedDatasetWriter
+
+    add_documents, finalize = IndexedDatasetWriter.add_documents, IndexedDatasetWriter.finalize
+
+    def paused_add_documents(self, tokens, lengths):
+        add_documents(self, tokens, lengths)
+        if threading.current_thread() is second and not second_is_writing.is_set():
+            second_is_writing.set()
+            first_is_done.wait(30)
+
+    def finalize_while_the_second_writes(self):
+        if threading.current_thread() is not second:
+            second.start()
+            assert second_is_writing.wait(30)
+        finalize(self)
+
+    monkeypatch.setattr(IndexedDatasetWriter, "add_documents", paused_add_documents)
+    monkeypatch.setattr(IndexedDatasetWriter, "finalize", finalize_while_the_second_writes)
+
+
 def _second_build(inputs, output):
     """A build into `output` on another thread (as another process would run it); returns
     the unstarted thread and the list its exception, if any, lands in."""
@@ -230,7 +257,6 @@ def test_two_builds_without_a_lock_never_leave_a_wrong_shard(tmp_path, monkeypat
     import threading
 
     import mt_data.sources as sources
-    from mt_data.indexed import IndexedDatasetWriter
 
     monkeypatch.setattr(sources, "BATCH_BYTES", 4096)  # many batches in one shard
     a = _write_jsonl(tmp_path / "in" / "a.jsonl", [f"x{i} = {i} * 2" * 20 for i in range(300)])
@@ -241,23 +267,8 @@ def test_two_builds_without_a_lock_never_leave_a_wrong_shard(tmp_path, monkeypat
     # Build 1 (this thread) is about to finish its shard when build 2 (another thread, as
     # another process would) starts the same one; build 2 waits half-way until build 1 is done.
     second_is_writing, first_is_done = threading.Event(), threading.Event()
-    add_documents, finalize = IndexedDatasetWriter.add_documents, IndexedDatasetWriter.finalize
     second, errors = _second_build([a], tmp_path / "out")
-
-    def paused_add_documents(self, tokens, lengths):
-        add_documents(self, tokens, lengths)
-        if threading.current_thread() is second and not second_is_writing.is_set():
-            second_is_writing.set()
-            first_is_done.wait(30)
-
-    def finalize_while_the_second_writes(self):
-        if threading.current_thread() is not second:
-            second.start()
-            assert second_is_writing.wait(30)
-        finalize(self)
-
-    monkeypatch.setattr(IndexedDatasetWriter, "add_documents", paused_add_documents)
-    monkeypatch.setattr(IndexedDatasetWriter, "finalize", finalize_while_the_second_writes)
+    _second_writes_while_the_first_finalizes(monkeypatch, second, second_is_writing, first_is_done)
     _first_build([a], tmp_path / "out", first_is_done, second)
     files = _files(tmp_path / "out")
     assert {name: files.get(name) for name in ("a.bin", "a.idx")} == {
@@ -350,7 +361,6 @@ def test_two_default_builds_without_a_lock_never_leave_a_torn_shard(tmp_path, mo
     import warnings
 
     import mt_data.default_corpus as default_corpus
-    from mt_data.indexed import IndexedDatasetWriter
 
     documents = [f"x{i} = {i} * 2" * 20 for i in range(600)]  # three batches
     monkeypatch.setattr(default_corpus, "iter_default_documents", lambda: iter(documents))
@@ -369,22 +379,7 @@ def test_two_default_builds_without_a_lock_never_leave_a_torn_shard(tmp_path, mo
             errors.append(e)
 
     second = threading.Thread(target=run_second)
-    add_documents, finalize = IndexedDatasetWriter.add_documents, IndexedDatasetWriter.finalize
-
-    def paused_add_documents(self, tokens, lengths):
-        add_documents(self, tokens, lengths)
-        if threading.current_thread() is second and not second_is_writing.is_set():
-            second_is_writing.set()
-            first_is_done.wait(30)
-
-    def finalize_while_the_second_writes(self):
-        if threading.current_thread() is not second:
-            second.start()
-            assert second_is_writing.wait(30)
-        finalize(self)
-
-    monkeypatch.setattr(IndexedDatasetWriter, "add_documents", paused_add_documents)
-    monkeypatch.setattr(IndexedDatasetWriter, "finalize", finalize_while_the_second_writes)
+    _second_writes_while_the_first_finalizes(monkeypatch, second, second_is_writing, first_is_done)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "cannot lock the directory", from both builds
         try:
