@@ -59,6 +59,21 @@ def _write_hf(config, path, dtype, seed=7):
     (path / "tokenizer.json").write_text('{"version": "1.0"}')
 
 
+def _write_bfloat16_deepseek_with_fp32_routers(path):
+    """A bfloat16 DeepSeek-V2 as transformers saves one: gate.weight in fp32 (with values no
+    bfloat16 holds); returns its tensors."""
+    from safetensors.torch import load_file, save_file
+
+    _write_hf(FAMILIES["deepseek_v2"], path, torch.bfloat16)
+    tensors = load_file(path / "model.safetensors")
+    gates = [k for k in tensors if k.endswith("mlp.gate.weight")]
+    assert gates
+    for key in gates:
+        tensors[key] = tensors[key].float() + 1e-4
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return tensors
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_hf_to_mt_to_hf_reproduces_every_tensor_key_dtype_and_value(tmp_path, family):
     original = tmp_path / "hf"
@@ -83,16 +98,8 @@ def test_hf_to_mt_to_hf_reproduces_every_tensor_key_dtype_and_value(tmp_path, fa
 def test_hf_to_mt_to_hf_keeps_a_bfloat16_deepseek_fp32_router(tmp_path):
     # transformers saves a bfloat16 DeepSeek-V2 with gate.weight in fp32; mt-to-hf cast every
     # tensor to the embedding's dtype, so the round trip rounded the routers to bfloat16.
-    from safetensors.torch import load_file, save_file
-
     original = tmp_path / "hf"
-    _write_hf(FAMILIES["deepseek_v2"], original, torch.bfloat16)
-    tensors = load_file(original / "model.safetensors")
-    gates = [k for k in tensors if k.endswith("mlp.gate.weight")]
-    assert gates
-    for key in gates:
-        tensors[key] = tensors[key].float() + 1e-4  # fp32 values no bfloat16 holds
-    save_file(tensors, original / "model.safetensors", metadata={"format": "pt"})
+    tensors = _write_bfloat16_deepseek_with_fp32_routers(original)
     assert main(["convert", "hf-to-mt", "--hf", str(original), "--out", str(tmp_path / "mt")]) == 0
     assert main(["convert", "mt-to-hf", "--checkpoint", str(tmp_path / "mt"), "--out",
                  str(tmp_path / "back")]) == 0
@@ -107,18 +114,10 @@ def test_generate_runs_a_bfloat16_deepseek_with_its_fp32_routers_as_stored(tmp_p
     # hf-to-mt keeps the fp32 gate.weight transformers saves in a bfloat16 DeepSeek-V2, but
     # generate cast the whole model to the embedding's dtype: the routers were rounded to
     # bfloat16 and routed otherwise than transformers' (and load_hf's) model.
-    from safetensors.torch import load_file, save_file
-
     from mt_train.generate import load_checkpoint_model
 
     original = tmp_path / "hf"
-    _write_hf(FAMILIES["deepseek_v2"], original, torch.bfloat16)
-    tensors = load_file(original / "model.safetensors")
-    gates = [k for k in tensors if k.endswith("mlp.gate.weight")]
-    assert gates
-    for key in gates:
-        tensors[key] = tensors[key].float() + 1e-4  # fp32 values no bfloat16 holds
-    save_file(tensors, original / "model.safetensors", metadata={"format": "pt"})
+    tensors = _write_bfloat16_deepseek_with_fp32_routers(original)
     assert main(["convert", "hf-to-mt", "--hf", str(original), "--out", str(tmp_path / "mt")]) == 0
     params = load_checkpoint_model(tmp_path / "mt").canonical_parameters()
     assert sorted(params) == sorted(tensors)
