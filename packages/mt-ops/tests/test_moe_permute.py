@@ -55,7 +55,10 @@ def test_permute_then_unpermute_with_unit_weights_reproduces_x(num_tokens, dtype
     x_RD = permute(x_TD, plan)
     assert x_RD.shape == (num_tokens * 3, 33)
     out_TD = unpermute(x_RD, plan, weights_TK)
-    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    # Weights summing to one, so out = x·(1 ± a few fp32 ulps): fp32 keeps those ulps; in
+    # bf16, x·(1 ± 1e-7) summed in fp32 rounds back to x itself, so exact. (1e-2 passed
+    # an unpermute that multiplied and summed in bf16, not fp32 as it documents.)
+    tol = 1e-6 if dtype == torch.float32 else 0.0
     torch.testing.assert_close(out_TD, x_TD, rtol=tol, atol=tol)
 
 
