@@ -88,9 +88,11 @@ class _SyncRecordingLM(_TinyLM, FSDPModule):
     def __init__(self):
         super().__init__()
         self.syncs = True
+        self.calls = []  # every flag set, in order
 
     def set_requires_gradient_sync(self, requires_gradient_sync, *, recurse=True):
         self.syncs = requires_gradient_sync
+        self.calls.append(requires_gradient_sync)
 
 
 def test_a_micro_batch_that_raises_under_step_reduction_leaves_gradient_sync_on():
@@ -101,9 +103,12 @@ def test_a_micro_batch_that_raises_under_step_reduction_leaves_gradient_sync_on(
     model = _SyncRecordingLM()
     ids = torch.randint(0, 11, (2, 7), generator=torch.Generator().manual_seed(0))
     bad = MicroBatch(ids, ids[:, :3])  # labels of another length: cross_entropy raises
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="batch_size"):  # cross_entropy's, not another
         run_microbatches(model, [MicroBatch(ids, ids), bad, MicroBatch(ids, ids)], 42,
                          grad_reduce="step")  # fmt: skip
+    # The failure came with the sync off (else this test checks nothing), then it was reset.
+    assert model.calls == [False, False, True], model.calls
     assert model.syncs, "gradient sync left off after a failed step"
+    model.calls.clear()
     run_microbatches(model, [MicroBatch(ids, ids), MicroBatch(ids, ids)], 28, grad_reduce="step")
-    assert model.syncs
+    assert model.calls == [False, True, True], model.calls  # only the last one reduces
