@@ -46,6 +46,23 @@ def test_sampling_at_a_tiny_temperature_picks_the_likeliest_token():
         assert sample_next(logits_V, temperature, 0.9, generator) == 1
 
 
+def test_top_p_keeps_the_smallest_set_reaching_it_and_temperature_flattens_the_rest():
+    # Only the greedy limits (a tiny temperature, a tiny top_p) were tested. Probabilities
+    # 0.5, 0.3, 0.15, 0.05: top_p 0.7 keeps tokens 0 and 1 (0.5 < 0.7 <= 0.8), drawn 5:3;
+    # temperature 2 with top_p 1 draws in proportion to sqrt(p). 4000 draws: a share's
+    # standard deviation is <= 0.008, so 0.04 is five of them.
+    probs = [0.5, 0.3, 0.15, 0.05]
+    logits_V = torch.tensor(probs).log()
+    cases = [(1.0, 0.7, [5, 3, 0, 0]), (2.0, 1.0, [p**0.5 for p in probs])]
+    for temperature, top_p, weights in cases:
+        generator = torch.Generator().manual_seed(0)
+        draws = [sample_next(logits_V, temperature, top_p, generator) for _ in range(4000)]
+        shares = torch.bincount(torch.tensor(draws), minlength=4).double() / len(draws)
+        expected = torch.tensor(weights, dtype=torch.float64) / sum(weights)
+        assert (shares[expected == 0] == 0).all(), (temperature, top_p, shares)
+        torch.testing.assert_close(shares, expected, rtol=0, atol=0.04)
+
+
 def test_a_nan_temperature_is_a_value_error_naming_it():
     with pytest.raises(ValueError, match=r"--temperature \(nan\)"):
         generate("no-checkpoint-needed", "x", temperature=float("nan"))
