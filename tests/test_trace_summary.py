@@ -57,3 +57,18 @@ def test_the_command_prints_the_summary(tmp_path):
     assert "window 0.6 ms, GPU busy 0.3 ms (46%), 4 GPU events" in out
     assert "gemm" in out and "memset" not in out.split("idle gaps")[0]
     assert "0.30 ms before gemm" in out
+
+
+def test_the_command_refuses_a_cpu_trace_or_a_missing_file_in_one_line_without_a_traceback(
+    tmp_path,
+):
+    # A trace recorded on CPU (profile.trace_steps on a CPU run) has host ops only.
+    cpu_trace = tmp_path / "trace_rank0_steps2-3.json"
+    cpu_trace.write_text(json.dumps({"traceEvents": [TRACE["traceEvents"][2]]}))
+    for path, reason in ((cpu_trace, "no GPU kernels"), (tmp_path / "none.json", "none.json")):
+        result = subprocess.run(
+            [sys.executable, str(SCRIPT), str(path)], capture_output=True, text=True
+        )
+        assert result.returncode == 2, result.stderr
+        assert "Traceback" not in result.stderr and reason in result.stderr
+        assert str(path) in result.stderr and result.stdout == ""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,7 +66,9 @@ def summarize(trace: dict, gap_threshold_us: float = 200.0) -> Summary:
         if e.get("ph") == "X" and e.get("cat") in _GPU_CATEGORIES
     ]
     if not events:
-        raise ValueError("the trace holds no GPU kernels; was it recorded on a GPU?")
+        raise ValueError(
+            "the trace holds no GPU kernels (recorded on a CPU?); this summary reads GPU time only"
+        )
     events.sort(key=lambda e: e["ts"])
     start = events[0]["ts"]
     busy, covered_until, gaps = 0.0, start, []
@@ -93,7 +96,17 @@ def main() -> None:
         "--gap-us", type=float, default=200.0, help="list idle gaps of at least this (200)"
     )
     args = parser.parse_args()
-    summary = summarize(json.loads(args.trace.read_text()), args.gap_us)
+    try:
+        summary = summarize(json.loads(args.trace.read_text()), args.gap_us)
+    except (OSError, ValueError) as err:  # no such file, not JSON, no GPU kernels
+        if isinstance(err, OSError):
+            reason = err.strerror or str(err)
+        elif isinstance(err, json.JSONDecodeError):
+            reason = f"not a JSON trace ({err})"
+        else:
+            reason = str(err)
+        print(f"trace_summary: error: {args.trace}: {reason}", file=sys.stderr)
+        sys.exit(2)
     print(
         f"window {summary.window_us / 1e3:.1f} ms, GPU busy {summary.busy_us / 1e3:.1f} ms "
         f"({summary.busy_us / summary.window_us:.0%}), {summary.num_events} GPU events"
