@@ -1,6 +1,10 @@
 """StepProfiler: which steps a trace holds and how its file is named."""
 
 import json
+import logging
+
+import pytest
+import torch
 
 from mt_train.profiling import StepProfiler
 
@@ -22,3 +26,12 @@ def test_a_run_resumed_inside_the_trace_range_traces_the_rest_of_it(tmp_path):
 def test_a_trace_cut_short_by_the_end_of_the_run_names_the_steps_it_holds(tmp_path):
     _run_steps(StepProfiler(tmp_path, 1, (2, 9), False, False), range(1, 4))
     assert [p.name for p in (tmp_path / "profile").iterdir()] == ["trace_rank1_steps2-3.json"]
+
+
+def test_nvtx_without_cuda_warns_that_it_needs_a_gpu_as_memory_snapshot_does(tmp_path, caplog):
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU-only message")
+    with caplog.at_level(logging.WARNING, logger="mt_train"):
+        _run_steps(StepProfiler(tmp_path, 0, None, False, True), range(1, 3))
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 1 and "profile.nvtx" in messages[0] and "CUDA" in messages[0]

@@ -54,7 +54,8 @@ class StepProfiler:
         trace_steps: (first, last) steps to trace, or None.
         memory_snapshot: record CUDA allocations from the start; dump at the end of the
             traced steps (or of the run).
-        nvtx: wrap each step in an NVTX range named ``step <n>``.
+        nvtx: wrap each step in an NVTX range named ``step <n>`` (CUDA only; without
+            it a warning says so, as for `memory_snapshot`).
     """
 
     def __init__(self, run_dir: str | Path, rank: int, trace_steps: tuple[int, int] | None,
@@ -66,6 +67,8 @@ class StepProfiler:
         self.memory = memory_snapshot and torch.cuda.is_available()
         if memory_snapshot and not self.memory:
             log.warning("profile.memory_snapshot needs CUDA; no snapshot on this device")
+        if nvtx and not self.nvtx:
+            log.warning("profile.nvtx needs CUDA (Nsight Systems); no NVTX ranges on this device")
         self._profiler = None
         self._traced: list[int] = []  # the steps the running trace holds
         if self.memory:
