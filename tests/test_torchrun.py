@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.slow
 
@@ -42,9 +43,18 @@ def _run(args, nproc=1):
 def test_torchrun_layouts_and_a_layout_change_on_resume_track_one_process(tmp_path):
     _run([f"run_dir={tmp_path / 'one'}"])
     reference = _losses(tmp_path / "one")
-    _run([f"run_dir={tmp_path / 'par'}", "parallel.cp=2", "training.max_steps=3"], nproc=2)
+    first = _run(
+        [f"run_dir={tmp_path / 'par'}", "parallel.cp=2", "training.max_steps=3",
+         "profile.memory_snapshot=true"],
+        nproc=2,
+    )  # fmt: skip
     resumed = _run([f"run_dir={tmp_path / 'par'}", "parallel.ep=2"], nproc=2)
     assert "resumed from" in resumed.stderr
+    # A warning that every rank would give alike (the config's, the run's) comes once.
+    if not torch.cuda.is_available():
+        assert first.stderr.count("profile.memory_snapshot needs CUDA") == 1, first.stderr
+    again = _run([f"run_dir={tmp_path / 'par'}"], nproc=2)
+    assert again.stderr.count("is already at step 5") == 1, again.stderr
     losses = _losses(tmp_path / "par")
     assert len(losses) == len(reference) == 5
     for step, (a, b) in enumerate(zip(losses, reference, strict=True), start=1):

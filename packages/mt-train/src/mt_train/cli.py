@@ -205,7 +205,8 @@ def _configure_logging() -> None:
     handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
     logger = logging.getLogger("mt_train")
     logger.handlers[:] = [handler]
-    # Under torchrun only rank 0 reports progress; every rank reports warnings.
+    # Under torchrun only rank 0 reports progress; every rank reports its own warnings
+    # (one that every rank would give alike is given by rank 0 alone).
     logger.setLevel(logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING)
     logger.propagate = False
 

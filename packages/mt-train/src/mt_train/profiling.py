@@ -65,9 +65,10 @@ class StepProfiler:
         self.trace_steps = trace_steps
         self.nvtx = nvtx and torch.cuda.is_available()
         self.memory = memory_snapshot and torch.cuda.is_available()
-        if memory_snapshot and not self.memory:
+        # Said once, by rank 0: every rank would say the same.
+        if memory_snapshot and not self.memory and rank == 0:
             log.warning("profile.memory_snapshot needs CUDA; no snapshot on this device")
-        if nvtx and not self.nvtx:
+        if nvtx and not self.nvtx and rank == 0:
             log.warning("profile.nvtx needs CUDA (Nsight Systems); no NVTX ranges on this device")
         self._profiler = None
         self._traced: list[int] = []  # the steps the running trace holds

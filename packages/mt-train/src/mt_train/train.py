@@ -163,7 +163,7 @@ def setup(cfg: JobConfig) -> TrainState:
                 default_corpus_dir(on_build=_log_default_corpus_build)
         data_dir = default_corpus_dir()
     with failing_together(f"reading the data in {data_dir}"):  # a node may lack a file
-        dataset, val_dataset = _open_datasets(cfg, data_dir)
+        dataset, val_dataset = _open_datasets(cfg, data_dir, env.is_main)
     with torch.device("meta"):
         model = build_model(cfg.model)
     # FP8 modules replace the linears before FSDP2 wraps them (it records the modules that
@@ -216,9 +216,12 @@ def setup(cfg: JobConfig) -> TrainState:
     return state
 
 
-def _open_datasets(cfg: JobConfig, data_dir: Path) -> tuple[TokenDataset, TokenDataset | None]:
+def _open_datasets(
+    cfg: JobConfig, data_dir: Path, is_main: bool = True
+) -> tuple[TokenDataset, TokenDataset | None]:
     """The training corpus and, with validation enabled, the held-out one, checked
-    against the model's vocabulary and each other's tokenization."""
+    against the model's vocabulary and each other's tokenization (`is_main`: the rank
+    that warns)."""
     try:
         dataset = TokenDataset(
             data_dir, cfg.data.seq_len, seed=cfg.seed, on_exhausted=cfg.data.on_exhausted
@@ -239,7 +242,7 @@ def _open_datasets(cfg: JobConfig, data_dir: Path) -> tuple[TokenDataset, TokenD
             raise ValueError(f"validation.path: {e}") from None
         _check_same_tokenization(dataset, data_dir, val_dataset, cfg.validation.path)
         wanted = cfg.validation.steps * cfg.training.global_batch_size
-        if wanted > val_dataset.num_samples:
+        if wanted > val_dataset.num_samples and is_main:  # every rank would say it
             log.warning(
                 "validation evaluates %d samples (validation.steps %d x global_batch_size %d) "
                 "but %s holds %d of seq_len %d: some are evaluated more than once; lower "
@@ -618,9 +621,11 @@ def train_step(
         )
     else:
         state.skipped_steps += 1
-        log.warning(
-            "step %d: non-finite loss (%s) or grad norm (%s); step skipped", step, loss, grad_norm
-        )
+        if state.env.is_main:  # the values are global: every rank would say the same
+            log.warning(
+                "step %d: non-finite loss (%s) or grad norm (%s); step skipped",
+                step, loss, grad_norm,
+            )  # fmt: skip
     state.optimizer.zero_grad(set_to_none=True)
     if state.fp8_cache is not None:
         # Quantize afresh next step; FSDP2 and fused AdamW hide the update from the version check.
@@ -777,7 +782,7 @@ def _train(
     came before the loop's own handlers were set."""
     cfg = state.cfg
     max_steps = cfg.training.max_steps
-    if state.step >= max_steps:
+    if state.step >= max_steps and state.env.is_main:  # said once, not by every rank
         log.warning(
             "the run in %s is already at step %d (training.max_steps=%d); nothing to do. "
             "Raise training.max_steps to continue it.",
@@ -785,6 +790,7 @@ def _train(
             state.step,
             max_steps,
         )
+    if state.step >= max_steps:
         write_exit_file(state)  # a clean end, for tools/launch/torchrun.sh
         return state
     metrics = None
@@ -821,9 +827,10 @@ def _train(
                 try:
                     microbatches = next_microbatches(state)
                 except DataExhausted:
-                    log.warning(
-                        "the data ran out at step %d (data.on_exhausted='stop')", state.step
-                    )
+                    if state.env.is_main:  # every rank runs out at the same step
+                        log.warning(
+                            "the data ran out at step %d (data.on_exhausted='stop')", state.step
+                        )
                     break
                 with profiler.step(state.step + 1):
                     try:
