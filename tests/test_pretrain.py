@@ -472,3 +472,17 @@ def test_the_script_leaves_a_finished_rank_of_several_with_os_exit(monkeypatch, 
         cli.entry()
     assert raised.value.code == code
     assert exits == ([("os._exit", 0)] if world_size and code == 0 else [])
+
+
+def test_peak_memory_gb_is_in_gigabytes_of_ten_to_the_nine_bytes_as_its_name_and_label_say():
+    import resource
+
+    import torch
+
+    from mt_train.train import _peak_memory_gb
+
+    # On CPU the process's largest resident size, which ru_maxrss gives in KiB (Linux).
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    gb = _peak_memory_gb(torch.device("cpu"))
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    assert before / 1e9 <= gb <= after / 1e9, (before, gb, after)

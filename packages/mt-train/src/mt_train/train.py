@@ -506,10 +506,11 @@ def _check_same_tokenization(train: TokenDataset, train_dir, val: TokenDataset, 
 
 def _peak_memory_gb(device: torch.device) -> float:
     """The step's peak CUDA memory allocated (stats reset as the step starts), or on CPU
-    the process's largest resident size so far."""
+    the process's largest resident size so far, in GB (10^9 bytes, as ``peak_memory_gb``
+    and the console's ``GB`` say, and as the rest of mt-train counts GB)."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # KiB on Linux
 
 
 def next_microbatches(state: TrainState, dataset: TokenDataset | None = None) -> list[MicroBatch]:
