@@ -1,5 +1,6 @@
 """StepProfiler: which steps a trace holds and how its file is named."""
 
+import errno
 import json
 import logging
 
@@ -35,3 +36,27 @@ def test_nvtx_without_cuda_warns_that_it_needs_a_gpu_as_memory_snapshot_does(tmp
         _run_steps(StepProfiler(tmp_path, 0, None, False, True), range(1, 3))
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 1 and "profile.nvtx" in messages[0] and "CUDA" in messages[0]
+
+
+def test_a_trace_that_cannot_be_written_leaves_no_torn_file_and_the_run_goes_on(
+    tmp_path, monkeypatch, caplog
+):
+    def export_half_then_fill_the_disk(self, path):
+        with open(path, "w") as f:
+            f.write('{"traceEvents": [')  # torn: the disk filled up midway
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(
+        torch.profiler.profile, "export_chrome_trace", export_half_then_fill_the_disk
+    )
+    ran = []
+    profiler = StepProfiler(tmp_path, 0, (1, 1), False, False)
+    with caplog.at_level(logging.WARNING, logger="mt_train"):
+        for step in range(1, 4):
+            with profiler.step(step):
+                ran.append(step)
+        profiler.close()
+    assert ran == [1, 2, 3]
+    assert list((tmp_path / "profile").iterdir()) == []  # neither a torn trace nor a temporary
+    [message] = [r.getMessage() for r in caplog.records]
+    assert "trace_rank0_steps1-1.json" in message and "No space left" in message

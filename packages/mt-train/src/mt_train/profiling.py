@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -106,9 +107,19 @@ class StepProfiler:
         # before its end.
         first, last = (self._traced[0], self._traced[-1]) if self._traced else self.trace_steps
         path = self.dir / f"trace_rank{self.rank}_steps{first}-{last}.json"
-        self._profiler.export_chrome_trace(str(path))
-        self._profiler = None
-        log.info("wrote profiler trace %s", path)
+        profiler, self._profiler = self._profiler, None
+        # Written beside and renamed when complete: a full disk or a kill midway (a large
+        # GPU trace takes a while) leaves no torn file under a finished trace's name. A
+        # trace that cannot be written is not worth the run: it warns and training goes on.
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            profiler.export_chrome_trace(str(tmp))
+            os.replace(tmp, path)
+        except OSError as err:
+            tmp.unlink(missing_ok=True)
+            log.warning("could not write the profiler trace %s (%s); training goes on", path, err)
+        else:
+            log.info("wrote profiler trace %s", path)
         self._dump_memory()
 
     def _dump_memory(self) -> None:
