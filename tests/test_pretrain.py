@@ -486,3 +486,24 @@ def test_peak_memory_gb_is_in_gigabytes_of_ten_to_the_nine_bytes_as_its_name_and
     gb = _peak_memory_gb(torch.device("cpu"))
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     assert before / 1e9 <= gb <= after / 1e9, (before, gb, after)
+
+
+def test_the_profilers_start_counts_neither_as_data_time_nor_in_the_step_time(
+    tmp_path, monkeypatch
+):
+    import time
+
+    import mt_train.profiling as profiling_module
+
+    real_profile = profiling_module.torch.profiler.profile
+
+    class SlowToStart(real_profile):
+        def __enter__(self):
+            time.sleep(0.5)  # CUPTI's start on a GPU can take this long
+            return super().__enter__()
+
+    monkeypatch.setattr(profiling_module.torch.profiler, "profile", SlowToStart)
+    pretrain(_cfg(tmp_path, "training.max_steps=1", "profile.trace_steps=1,1"))
+    [row] = _metrics(tmp_path)
+    assert (tmp_path / "profile" / "trace_rank0_steps1-1.json").is_file()
+    assert row["data_time_s"] < 0.5 and row["step_time_s"] < 0.5 + row["data_time_s"], row

@@ -833,9 +833,10 @@ def _train(
                             "the data ran out at step %d (data.on_exhausted='stop')", state.step
                         )
                     break
+                # Read before the profiler starts (its start is neither data nor step time).
+                data_time_s = time.perf_counter() - data_start
                 with profiler.step(state.step + 1):
                     try:
-                        data_time_s = time.perf_counter() - data_start
                         step_metrics = train_step(state, microbatches, data_time_s)
                     except NonFiniteError as err:
                         _finish_pending_save(writer)  # the last good state is complete
