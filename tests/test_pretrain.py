@@ -507,3 +507,33 @@ def test_the_profilers_start_counts_neither_as_data_time_nor_in_the_step_time(
     [row] = _metrics(tmp_path)
     assert (tmp_path / "profile" / "trace_rank0_steps1-1.json").is_file()
     assert row["data_time_s"] < 0.5 and row["step_time_s"] < 0.5 + row["data_time_s"], row
+
+
+def test_the_metric_sinks_are_closed_even_when_ending_the_profiler_fails(tmp_path, monkeypatch):
+    import types
+
+    import mt_train.profiling as profiling_module
+
+    closed = []
+
+    class FakeWriter:  # stands in for torch.utils.tensorboard.SummaryWriter
+        def __init__(self, log_dir, purge_step=None):
+            pass
+
+        def add_scalar(self, key, value, step):
+            pass
+
+        def close(self):
+            closed.append(True)  # flushes the last steps' events
+
+    fake = types.ModuleType("torch.utils.tensorboard")
+    fake.SummaryWriter = FakeWriter
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", fake)
+
+    def failing_close(self):
+        raise RuntimeError("the profiler could not stop")
+
+    monkeypatch.setattr(profiling_module.StepProfiler, "close", failing_close)
+    with pytest.raises(RuntimeError, match="could not stop"):
+        pretrain(_cfg(tmp_path, "training.max_steps=1", "metrics.tensorboard=true"))
+    assert closed == [True]

@@ -884,7 +884,9 @@ def _train(
         _complete_staged_save_alone(state, writer)
         raise
     finally:
-        profiler.close()
-        if metrics is not None:
-            metrics.close()
+        try:
+            profiler.close()
+        finally:  # the sinks' last events and W&B's finish, whatever the profiler did
+            if metrics is not None:
+                metrics.close()
     return state
