@@ -60,3 +60,27 @@ def test_a_trace_that_cannot_be_written_leaves_no_torn_file_and_the_run_goes_on(
     assert list((tmp_path / "profile").iterdir()) == []  # neither a torn trace nor a temporary
     [message] = [r.getMessage() for r in caplog.records]
     assert "trace_rank0_steps1-1.json" in message and "No space left" in message
+
+
+def test_a_memory_snapshot_that_cannot_be_written_leaves_no_torn_file_and_stops_recording(
+    tmp_path, monkeypatch, caplog
+):
+    recording = []
+
+    def dump_half_then_fill_the_disk(path):
+        with open(path, "wb") as f:
+            f.write(b"\x80\x04")  # torn pickle: the disk filled up midway
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", dump_half_then_fill_the_disk)
+    monkeypatch.setattr(
+        torch.cuda.memory, "_record_memory_history", lambda *a, **k: recording.append(k)
+    )
+    profiler = StepProfiler(tmp_path, 0, None, False, False)
+    profiler.memory = True  # as on a CUDA machine with profile.memory_snapshot=true
+    with caplog.at_level(logging.WARNING, logger="mt_train"):
+        _run_steps(profiler, range(1, 3))
+    assert list((tmp_path / "profile").iterdir()) == []
+    assert recording == [{"enabled": None}]  # the recorder is stopped all the same
+    [message] = [r.getMessage() for r in caplog.records]
+    assert "memory_rank0.pickle" in message and "No space left" in message

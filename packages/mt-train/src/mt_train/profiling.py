@@ -127,10 +127,18 @@ class StepProfiler:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.dir / f"memory_rank{self.rank}.pickle"
-        torch.cuda.memory._dump_snapshot(str(path))
-        torch.cuda.memory._record_memory_history(enabled=None)
+        tmp = path.with_name(path.name + ".tmp")  # renamed when complete, as the trace
         self.memory = False
-        log.info("wrote CUDA memory snapshot %s", path)
+        try:
+            torch.cuda.memory._dump_snapshot(str(tmp))
+            os.replace(tmp, path)
+        except OSError as err:
+            tmp.unlink(missing_ok=True)
+            log.warning("could not write the CUDA memory snapshot %s (%s)", path, err)
+        else:
+            log.info("wrote CUDA memory snapshot %s", path)
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)  # it slows every alloc
 
     def close(self) -> None:
         """Ends a trace cut short by the end of the run and dumps a pending snapshot."""
