@@ -84,3 +84,14 @@ def test_a_memory_snapshot_that_cannot_be_written_leaves_no_torn_file_and_stops_
     assert recording == [{"enabled": None}]  # the recorder is stopped all the same
     [message] = [r.getMessage() for r in caplog.records]
     assert "memory_rank0.pickle" in message and "No space left" in message
+
+
+def test_a_trace_ended_by_a_failing_step_is_named_after_the_steps_it_holds(tmp_path):
+    profiler = StepProfiler(tmp_path, 0, (2, 5), False, False)
+    with pytest.raises(RuntimeError, match="non-finite"):
+        for step in range(1, 6):
+            with profiler.step(step):
+                if step == 2:
+                    raise RuntimeError("non-finite loss")  # the run ends here
+    profiler.close()  # as pretrain's `finally` does
+    assert [p.name for p in (tmp_path / "profile").iterdir()] == ["trace_rank0_steps2-2.json"]

@@ -92,20 +92,20 @@ class StepProfiler:
                 activities=activities, record_shapes=True, acc_events=True
             )
             self._profiler.__enter__()
+        if self._profiler is not None:
+            self._traced.append(step)  # now: a step that raises is in the trace, in part
         nvtx = torch.cuda.nvtx.range(f"step {step}") if self.nvtx else contextlib.nullcontext()
         with nvtx:
             yield
-        if self._profiler is not None:
-            self._traced.append(step)
-            if step == last:
-                self._finish_trace()
+        if self._profiler is not None and step == last:
+            self._finish_trace()
 
     def _finish_trace(self) -> None:
         self._profiler.__exit__(None, None, None)
         self.dir.mkdir(parents=True, exist_ok=True)
         # The steps traced: fewer than asked when the run resumed inside the range or ended
-        # before its end.
-        first, last = (self._traced[0], self._traced[-1]) if self._traced else self.trace_steps
+        # before its end (the last one perhaps in part, when it raised).
+        first, last = self._traced[0], self._traced[-1]
         path = self.dir / f"trace_rank{self.rank}_steps{first}-{last}.json"
         profiler, self._profiler = self._profiler, None
         # Written beside and renamed when complete: a full disk or a kill midway (a large
