@@ -166,3 +166,17 @@ def test_sinks_already_open_are_closed_when_a_later_one_cannot_start(tmp_path, m
     with pytest.raises(ValueError, match="needs the wandb package"):
         build_sinks(tmp_path, True, "proj", {})
     assert closed == ["tensorboard"]
+
+
+def test_a_metrics_file_that_cannot_be_written_is_a_value_error_and_closes_the_sinks(tmp_path):
+    class Sink:
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    (tmp_path / "metrics.jsonl").mkdir()  # say, left there by a mistaken copy
+    sink = Sink()
+    with pytest.raises(ValueError, match=r"metrics\.jsonl.*choose another run_dir"):
+        MetricsLogger(tmp_path, max_steps=4, sinks=[sink])
+    assert sink.closed  # its event file complete, its W&B run finished

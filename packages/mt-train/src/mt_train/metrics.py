@@ -80,8 +80,16 @@ class MetricsLogger:
         self.stream = stream or sys.stdout
         self.sinks = list(sinks or [])
         self._start_time = time.perf_counter()
-        self._truncate_after(start_step)
-        self._file = open(self.path, "a")  # noqa: SIM115 (closed by close())
+        try:
+            self._truncate_after(start_step)
+            self._file = open(self.path, "a")  # noqa: SIM115 (closed by close())
+        except OSError as err:  # a directory of that name, no permission, a full disk
+            for sink in self.sinks:  # they are this logger's to close
+                sink.close()
+            raise ValueError(
+                f"the metrics file {self.path} cannot be written ({err.strerror or err}); "
+                "move what is there away, make it writable, or choose another run_dir"
+            ) from None
 
     def _truncate_after(self, step: int) -> None:
         if not self.path.exists():
