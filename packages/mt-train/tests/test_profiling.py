@@ -95,3 +95,12 @@ def test_a_trace_ended_by_a_failing_step_is_named_after_the_steps_it_holds(tmp_p
                     raise RuntimeError("non-finite loss")  # the run ends here
     profiler.close()  # as pretrain's `finally` does
     assert [p.name for p in (tmp_path / "profile").iterdir()] == ["trace_rank0_steps2-2.json"]
+
+
+def test_a_profile_path_taken_by_a_file_warns_and_the_run_goes_on(tmp_path, caplog):
+    (tmp_path / "profile").write_text("not a directory")
+    with caplog.at_level(logging.WARNING, logger="mt_train"):
+        _run_steps(StepProfiler(tmp_path, 0, (1, 1), False, False), range(1, 3))
+    [message] = [r.getMessage() for r in caplog.records]
+    assert "trace_rank0_steps1-1.json" in message
+    assert (tmp_path / "profile").read_text() == "not a directory"

@@ -102,7 +102,6 @@ class StepProfiler:
 
     def _finish_trace(self) -> None:
         self._profiler.__exit__(None, None, None)
-        self.dir.mkdir(parents=True, exist_ok=True)
         # The steps traced: fewer than asked when the run resumed inside the range or ended
         # before its end (the last one perhaps in part, when it raised).
         first, last = self._traced[0], self._traced[-1]
@@ -113,10 +112,12 @@ class StepProfiler:
         # trace that cannot be written is not worth the run: it warns and training goes on.
         tmp = path.with_name(path.name + ".tmp")
         try:
+            self.dir.mkdir(parents=True, exist_ok=True)  # fails on a file of that name
             profiler.export_chrome_trace(str(tmp))
             os.replace(tmp, path)
         except OSError as err:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # (no profile/ directory, say)
+                tmp.unlink(missing_ok=True)
             log.warning("could not write the profiler trace %s (%s); training goes on", path, err)
         else:
             log.info("wrote profiler trace %s", path)
@@ -125,15 +126,16 @@ class StepProfiler:
     def _dump_memory(self) -> None:
         if not self.memory:
             return
-        self.dir.mkdir(parents=True, exist_ok=True)
         path = self.dir / f"memory_rank{self.rank}.pickle"
         tmp = path.with_name(path.name + ".tmp")  # renamed when complete, as the trace
         self.memory = False
         try:
+            self.dir.mkdir(parents=True, exist_ok=True)
             torch.cuda.memory._dump_snapshot(str(tmp))
             os.replace(tmp, path)
         except OSError as err:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # (no profile/ directory, say)
+                tmp.unlink(missing_ok=True)
             log.warning("could not write the CUDA memory snapshot %s (%s)", path, err)
         else:
             log.info("wrote CUDA memory snapshot %s", path)
