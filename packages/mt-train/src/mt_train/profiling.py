@@ -5,7 +5,10 @@ snapshot, and NVTX ranges per step (for Nsight Systems).
 
 Files go to ``<run_dir>/profile/``: ``trace_rank<r>_steps<a>-<b>.json`` (open in
 chrome://tracing or https://ui.perfetto.dev) and ``memory_rank<r>.pickle`` (drag into
-https://pytorch.org/memory_viz).
+https://pytorch.org/memory_viz). Each is written beside its name and renamed when
+complete; one that cannot be written (a full disk) is a warning, and training goes on.
+``memory_snapshot`` and ``nvtx`` need CUDA: elsewhere rank 0 warns and they do nothing.
+``tools/bench/trace_summary.py`` summarizes a GPU trace's kernel time and idle gaps.
 """
 
 from __future__ import annotations
