@@ -180,3 +180,25 @@ def test_a_metrics_file_that_cannot_be_written_is_a_value_error_and_closes_the_s
     with pytest.raises(ValueError, match=r"metrics\.jsonl.*choose another run_dir"):
         MetricsLogger(tmp_path, max_steps=4, sinks=[sink])
     assert sink.closed  # its event file complete, its W&B run finished
+
+
+def test_a_tensorboard_directory_that_cannot_be_created_is_a_value_error_naming_it(
+    tmp_path, monkeypatch
+):
+    import os
+    import sys
+    import types
+
+    from mt_train.metrics import TensorBoardSink
+
+    class FakeWriter:  # creates its directory as torch.utils.tensorboard.SummaryWriter does
+        def __init__(self, log_dir, purge_step=None):
+            os.makedirs(log_dir, exist_ok=True)
+
+    tensorboard = types.ModuleType("torch.utils.tensorboard")
+    tensorboard.SummaryWriter = FakeWriter
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", tensorboard)
+
+    (tmp_path / "tensorboard").write_text("a file where the event files would go")
+    with pytest.raises(ValueError, match=r"tensorboard.*metrics\.tensorboard=false"):
+        TensorBoardSink(tmp_path)

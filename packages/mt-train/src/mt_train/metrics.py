@@ -186,9 +186,15 @@ class TensorBoardSink:
                 "metrics.tensorboard=true needs the tensorboard package; "
                 "pip install 'mt-train[tensorboard]' or set metrics.tensorboard=false"
             ) from err
-        self._writer = SummaryWriter(
-            log_dir=str(Path(run_dir) / "tensorboard"), purge_step=start_step + 1
-        )
+        log_dir = Path(run_dir) / "tensorboard"
+        try:
+            self._writer = SummaryWriter(log_dir=str(log_dir), purge_step=start_step + 1)
+        except OSError as err:  # a file of that name, no permission
+            raise ValueError(
+                f"metrics.tensorboard=true: the event file directory {log_dir} cannot be "
+                f"created ({err.strerror or err}); move what is there away, or set "
+                "metrics.tensorboard=false"
+            ) from None
 
     def log(self, metrics: dict[str, Any]) -> None:
         """Adds one step's scalars."""
