@@ -72,3 +72,19 @@ def test_the_command_refuses_a_cpu_trace_or_a_missing_file_in_one_line_without_a
         assert result.returncode == 2, result.stderr
         assert "Traceback" not in result.stderr and reason in result.stderr
         assert str(path) in result.stderr and result.stdout == ""
+
+
+def test_with_no_gap_threshold_only_real_idle_stretches_are_gaps():
+    # Not the first kernel (nothing idles before it) nor back-to-back or overlapping ones.
+    summary = _module().summarize(TRACE, gap_threshold_us=0)
+    assert summary.gaps == [(300, "gemm"), (10, "memset")]
+
+
+def test_the_command_refuses_a_negative_gap_threshold_or_kernel_count(tmp_path):
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(TRACE))
+    for option in (["--gap-us", "-10"], ["--top", "-1"]):
+        result = subprocess.run(
+            [sys.executable, str(SCRIPT), str(path), *option], capture_output=True, text=True
+        )
+        assert result.returncode == 2 and option[0] in result.stderr, result.stderr

@@ -74,8 +74,9 @@ def summarize(trace: dict, gap_threshold_us: float = 200.0) -> Summary:
     busy, covered_until, gaps = 0.0, start, []
     for event in events:
         begin, end = event["ts"], event["ts"] + event["dur"]
-        if begin - covered_until >= gap_threshold_us:
-            gaps.append((begin - covered_until, event["name"]))
+        idle = begin - covered_until  # none before the first event, < 0 when overlapping
+        if idle > 0 and idle >= gap_threshold_us:
+            gaps.append((idle, event["name"]))
         if end > covered_until:
             busy += end - max(begin, covered_until)
             covered_until = end
@@ -96,6 +97,8 @@ def main() -> None:
         "--gap-us", type=float, default=200.0, help="list idle gaps of at least this (200)"
     )
     args = parser.parse_args()
+    if args.top < 0 or args.gap_us < 0:
+        parser.error(f"--top ({args.top}) and --gap-us ({args.gap_us}) must be >= 0")
     try:
         summary = summarize(json.loads(args.trace.read_text()), args.gap_us)
     except (OSError, ValueError) as err:  # no such file, not JSON, no GPU kernels
