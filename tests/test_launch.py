@@ -36,6 +36,18 @@ def _logged_steps(run_dir):
     return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
 
 
+def _full_pipe() -> tuple[int, int]:
+    """A pipe whose buffer is full: the next write to its write end blocks until the read
+    end is read, which holds a process writing there at that write."""
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            os.write(write_end, b"x" * 4096)
+    os.set_blocking(write_end, True)
+    return read_end, write_end
+
+
 def test_sigterm_to_the_torchrun_wrapper_saves_exits_zero_and_the_rerun_resumes(tmp_path):
     run_dir = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "NPROC_PER_NODE": "2",
@@ -134,12 +146,7 @@ def test_a_signal_that_comes_before_torchrun_starts_stops_the_wrapper_there(tmp_
     fake.chmod(0o755)
     log = tmp_path / "fake.log"
     env = {**os.environ, "PYTHON": str(fake), "FAKE_LOG": str(log), "NPROC_PER_NODE": "1"}
-    read_end, write_end = os.pipe()
-    os.set_blocking(write_end, False)
-    with contextlib.suppress(BlockingIOError):
-        while True:
-            os.write(write_end, b"x" * 4096)
-    os.set_blocking(write_end, True)
+    read_end, write_end = _full_pipe()
     proc = subprocess.Popen(
         ["bash", str(ROOT / "tools/launch/torchrun.sh"), "-m", "x"],
         env=env,
@@ -185,12 +192,7 @@ def test_sbatch_example_exits_with_the_runs_status_when_the_signal_meets_its_end
     (tmp_path / "srun").write_text(FAKE_SRUN)
     (tmp_path / "srun").chmod(0o755)
     env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "FAKE_DIR": str(tmp_path)}
-    read_end, write_end = os.pipe()
-    os.set_blocking(write_end, False)
-    with contextlib.suppress(BlockingIOError):
-        while True:
-            os.write(write_end, b"x" * 4096)
-    os.set_blocking(write_end, True)
+    read_end, write_end = _full_pipe()
     proc = subprocess.Popen(
         ["bash", str(ROOT / "tools/launch/sbatch_example.sh"), "tiny"],
         env=env,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -113,35 +114,34 @@ class StepProfiler:
         # Written beside and renamed when complete: a full disk or a kill midway (a large
         # GPU trace takes a while) leaves no torn file under a finished trace's name. A
         # trace that cannot be written is not worth the run: it warns and training goes on.
+        if self._write_renamed(path, profiler.export_chrome_trace, "profiler trace"):
+            log.info("wrote profiler trace %s", path)
+        self._dump_memory()
+
+    def _write_renamed(self, path: Path, write: Callable[[str], None], what: str) -> bool:
+        """Runs ``write(<path>.tmp)`` and renames the file to `path` when complete; on an
+        OSError (a full disk, `profile` taken by a file) removes it, warns naming `what`
+        and returns False: training goes on."""
         tmp = path.with_name(path.name + ".tmp")
         try:
             self.dir.mkdir(parents=True, exist_ok=True)  # fails on a file of that name
-            profiler.export_chrome_trace(str(tmp))
+            write(str(tmp))
             os.replace(tmp, path)
         except OSError as err:
             with contextlib.suppress(OSError):  # (no profile/ directory, say)
                 tmp.unlink(missing_ok=True)
-            log.warning("could not write the profiler trace %s (%s); training goes on", path, err)
-        else:
-            log.info("wrote profiler trace %s", path)
-        self._dump_memory()
+            log.warning("could not write the %s %s (%s); training goes on", what, path, err)
+            return False
+        return True
 
     def _dump_memory(self) -> None:
         if not self.memory:
             return
         path = self.dir / f"memory_rank{self.rank}.pickle"
-        tmp = path.with_name(path.name + ".tmp")  # renamed when complete, as the trace
         self.memory = False
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            torch.cuda.memory._dump_snapshot(str(tmp))
-            os.replace(tmp, path)
-        except OSError as err:
-            with contextlib.suppress(OSError):  # (no profile/ directory, say)
-                tmp.unlink(missing_ok=True)
-            log.warning("could not write the CUDA memory snapshot %s (%s)", path, err)
-        else:
-            log.info("wrote CUDA memory snapshot %s", path)
+            if self._write_renamed(path, torch.cuda.memory._dump_snapshot, "CUDA memory snapshot"):
+                log.info("wrote CUDA memory snapshot %s", path)
         finally:
             torch.cuda.memory._record_memory_history(enabled=None)  # it slows every alloc
 
