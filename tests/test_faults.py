@@ -928,3 +928,24 @@ def test_a_resumed_run_clears_what_a_crashed_save_left_before_its_first_step(tmp
     state.run_lock.close()
     assert state.step == 2
     assert sorted(p.name for p in root.iterdir()) == ["step_00000001", "step_00000002"]
+
+
+def test_the_command_reports_a_failed_checkpoint_write_in_two_lines_without_a_traceback(
+    tmp_path, monkeypatch, capsys
+):
+    # DCP's CheckpointException is a BaseException: a full disk at a save ended
+    # `mt-train pretrain` with a traceback of DCP's internals, the useful note at its end.
+    from mt_train.cli import main
+
+    def full_disk(self, plan, planner):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", full_disk)
+    code = main(["pretrain", "tiny", f"run_dir={tmp_path}", "training.max_steps=1"])
+    err = capsys.readouterr().err
+    assert code == 1
+    lines = [line for line in err.splitlines() if not line.startswith(("step ", "INFO", "WARN"))]
+    assert lines[-2] == "mt-train: error: OSError: [Errno 28] No space left on device"
+    assert lines[-1].startswith(f"writing checkpoint {checkpoint_root(tmp_path)}")
+    assert "previous complete checkpoint is untouched" in lines[-1]
+    assert "Traceback" not in err

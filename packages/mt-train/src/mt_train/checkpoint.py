@@ -62,6 +62,14 @@ _READ_ERRORS = (
 )  # fmt: skip
 
 
+def first_failure(err: BaseException) -> BaseException:
+    """The error itself, or for DCP's CheckpointException (which wraps every rank's)
+    the first rank's own error."""
+    if isinstance(err, dcp.CheckpointException) and err.failures:
+        return next(iter(err.failures.values()))[0]
+    return err
+
+
 @contextmanager
 def reading_checkpoint(path: str | Path, fix: str):
     """Turns the error of reading a damaged checkpoint into a `ValueError` that names it.
@@ -73,9 +81,7 @@ def reading_checkpoint(path: str | Path, fix: str):
     try:
         yield
     except _READ_ERRORS as err:
-        cause: BaseException = err
-        if isinstance(err, dcp.CheckpointException) and err.failures:
-            cause = next(iter(err.failures.values()))[0]  # the first rank's own error
+        cause = first_failure(err)
         detail = str(cause).strip().splitlines()[0][:300] if str(cause).strip() else ""
         raise ValueError(
             f"checkpoint {path} cannot be read, it is damaged or incomplete "

@@ -186,6 +186,22 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report_failed_save(err: BaseException) -> bool:
+    """Prints a failed checkpoint write (a full disk, say) as one error line plus the note
+    `mt_train.checkpoint` added (which checkpoint, the free space, that the previous one
+    stands); True when `err` is one. Other errors keep their traceback."""
+    from mt_train.checkpoint import first_failure
+
+    notes = [n for n in getattr(err, "__notes__", ()) if n.startswith("mt-train: writing")]
+    if not notes:
+        return False
+    cause = first_failure(err)
+    detail = str(cause).strip().splitlines()[0][:300] if str(cause).strip() else ""
+    print(f"mt-train: error: {type(cause).__name__}: {detail}", file=sys.stderr)
+    print(notes[0].removeprefix("mt-train: "), file=sys.stderr)
+    return True
+
+
 def _is_config_key(word: str) -> bool:
     """True for a word that names a config key (a top-level one or one under a section:
     ``seed``, ``training.max_steps``), not a recipe, a file or a path."""
@@ -290,6 +306,8 @@ def _main(argv: list[str] | None) -> int:
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=2))
         return 0
+    from torch.distributed.checkpoint import CheckpointException
+
     from mt_train.distributed import RankFailedError, leave_process_group
     from mt_train.train import NonFiniteError, pretrain
 
@@ -303,10 +321,16 @@ def _main(argv: list[str] | None) -> int:
         return 1
     except RuntimeError as err:
         hint = _collective_timeout_hint(err)
-        if hint is None:
-            raise
-        print(f"mt-train: error: {hint}", file=sys.stderr)
-        return 1
+        if hint is not None:
+            print(f"mt-train: error: {hint}", file=sys.stderr)
+            return 1
+        if _report_failed_save(err):
+            return 1
+        raise
+    except (OSError, CheckpointException) as err:  # (CheckpointException: a BaseException)
+        if _report_failed_save(err):
+            return 1
+        raise
     leave_process_group()  # every rank finished (or stopped at one agreed step boundary)
     return 0
 
