@@ -425,6 +425,18 @@ def test_a_fresh_run_into_a_run_dir_with_checkpoints_is_refused(tmp_path):
     assert _steps(tmp_path) == [2]
 
 
+def _crash_in_step(monkeypatch, step, message):
+    """Makes training step `step` raise RuntimeError(message) before it runs."""
+    real_step = train_module.train_step
+
+    def crashing(state, microbatches, *args):
+        if state.step == step - 1:
+            raise RuntimeError(message)
+        return real_step(state, microbatches, *args)
+
+    monkeypatch.setattr(train_module, "train_step", crashing)
+
+
 def test_an_async_checkpoint_completes_once_written_not_at_the_next_save(tmp_path, monkeypatch):
     # Files written by the end of the next step (deterministic here), then a crash before
     # any later save: the checkpoint must already be complete.
@@ -434,14 +446,7 @@ def test_an_async_checkpoint_completes_once_written_not_at_the_next_save(tmp_pat
         return writer.pending
 
     monkeypatch.setattr(checkpoint_module.AsyncCheckpointer, "written", written_by_now)
-    real_step = train_module.train_step
-
-    def crash_at_step_4(state, microbatches, *args):
-        if state.step == 3:
-            raise RuntimeError("node lost")
-        return real_step(state, microbatches, *args)
-
-    monkeypatch.setattr(train_module, "train_step", crash_at_step_4)
+    _crash_in_step(monkeypatch, 4, "node lost")
     cfg = _cfg(tmp_path, "training.max_steps=6", "checkpoint.interval=2",
                "checkpoint.async_save=true")  # fmt: skip
     with pytest.raises(RuntimeError, match="node lost"):
@@ -456,14 +461,7 @@ def test_a_crash_in_one_process_completes_the_background_save_it_had_staged(
     # written, not completed when step 3 crashes: in one process nothing else waits on
     # the completion, so the crash completes it rather than losing the step.
     monkeypatch.setattr(checkpoint_module.AsyncCheckpointer, "written", lambda writer: False)
-    real_step = train_module.train_step
-
-    def crash_at_step_3(state, microbatches, *args):
-        if state.step == 2:
-            raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        return real_step(state, microbatches, *args)
-
-    monkeypatch.setattr(train_module, "train_step", crash_at_step_3)
+    _crash_in_step(monkeypatch, 3, "CUDA error: an illegal memory access was encountered")
     cfg = _cfg(tmp_path, "training.max_steps=6", "checkpoint.interval=2",
                "checkpoint.async_save=true")  # fmt: skip
     with pytest.raises(RuntimeError, match="illegal memory access"):

@@ -346,27 +346,6 @@ def test_a_second_conversion_with_another_weight_cache_is_refused():
     assert model[0].weight_cache is first and model[0].scale_format == "fp32"
 
 
-def test_convert_to_fp8_after_fully_shard_is_refused_with_the_order_to_use(tmp_path):
-    # FSDP2 swaps gathered weights into the modules it recorded; a module swapped in after
-    # fully_shard would only ever see the sharded DTensor (an opaque "mixed torch.Tensor and
-    # DTensor" error at the first forward).
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    dist.init_process_group(
-        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
-    )
-    try:
-        model = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 128))
-        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
-        with pytest.raises(ValueError, match=r"'0'.*DTensor.*before fully_shard"):
-            convert_to_fp8(model, weight_cache=FP8WeightCache())
-        assert type(model[0]) is nn.Linear
-    finally:
-        dist.destroy_process_group()
-
-
 def test_weight_cache_requantizes_a_weight_converted_in_place():
     # module.to(dtype / device) replaces param.data: same Parameter, same version counter.
     cache = FP8WeightCache()

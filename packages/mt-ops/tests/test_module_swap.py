@@ -124,9 +124,17 @@ def test_model_swaps_refuse_before_swapping_anything(swap):
     assert type(model[0]) is nn.Linear  # refused before any swap: not half converted
 
 
-def test_make_weight_grads_deferrable_after_fully_shard_is_refused_with_the_order(tmp_path):
-    # Before: swapped, then the first forward failed with "aten.addmm.default got mixed
-    # torch.Tensor and DTensor" (FSDP2 gathers weights into the modules it recorded).
+@pytest.mark.parametrize(
+    ("swap", "order"),
+    [
+        (make_weight_grads_deferrable, "make_weight_grads_deferrable before"),
+        (convert_to_fp8, "before fully_shard"),
+    ],
+)
+def test_model_swaps_after_fully_shard_are_refused_with_the_order_to_use(tmp_path, swap, order):
+    # FSDP2 gathers weights into the modules it recorded: a module swapped in after
+    # fully_shard only ever saw the sharded DTensor, and the first forward failed with
+    # "aten.addmm.default got mixed torch.Tensor and DTensor".
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -135,10 +143,10 @@ def test_make_weight_grads_deferrable_after_fully_shard_is_refused_with_the_orde
         "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
     )
     try:
-        model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+        model = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 128))
         fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
-        with pytest.raises(ValueError, match=r"'0'.*DTensor.*make_weight_grads_deferrable before"):
-            make_weight_grads_deferrable(model)
+        with pytest.raises(ValueError, match=rf"'0'.*DTensor.*{order}"):
+            swap(model)
         assert type(model[0]) is nn.Linear
     finally:
         dist.destroy_process_group()
