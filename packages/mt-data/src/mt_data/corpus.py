@@ -95,7 +95,7 @@ def resolve_shards(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
         if path.is_dir():
             found = _directory_shards(path)
             # `.tmp`, or `.<pid>-<random>.tmp` from a build without flock
-            partial = sorted(p.name for p in path.glob("*.idx*.tmp"))
+            partial = [] if found else sorted(p.name for p in path.glob("*.idx*.tmp"))
             if not found and partial:  # a first build killed before any shard was done
                 raise ValueError(
                     f"data path {path} holds no shards (*.idx + *.bin), only the partial "

@@ -13,7 +13,18 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 from torch import Tensor
 
-__all__ = ["autocast_dtype", "autocast_off", "check_same_dtype", "compute_dtype", "is_integer"]
+__all__ = [
+    "KERNEL_DTYPES",
+    "autocast_dtype",
+    "autocast_off",
+    "check_same_dtype",
+    "compute_dtype",
+    "is_integer",
+]
+
+# What the Triton kernels take: they compute in fp32, so other dtypes (fp64) take the
+# eager op or reference, which keeps them.
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def autocast_dtype(device: torch.device) -> torch.dtype | None:

@@ -13,6 +13,7 @@ fp32), :func:`clamped_swiglu_fused` runs the eager op.
 import torch
 from torch import Tensor
 
+from mt_ops._dtypes import KERNEL_DTYPES
 from mt_ops._triton import cdiv, launch, tl, triton, use_kernels
 from mt_ops.clamped_swiglu import clamped_swiglu
 
@@ -20,8 +21,6 @@ __all__ = ["clamped_swiglu_fused"]
 
 # Output elements per program (each reads a gate and an up value): 2048 over 4 warps.
 _BLOCK = 2048
-# The kernels compute in fp32: other dtypes (fp64) take the eager op, which keeps them.
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
@@ -91,7 +90,7 @@ def clamped_swiglu_fused(gate_up: Tensor, alpha: float = 1.702, limit: float = 7
     Returns:
         Tensor [..., F] in the dtype of ``gate_up``.
     """
-    fused = use_kernels(gate_up) and gate_up.dtype in _KERNEL_DTYPES and gate_up.numel() > 0
+    fused = use_kernels(gate_up) and gate_up.dtype in KERNEL_DTYPES and gate_up.numel() > 0
     if not fused or gate_up.shape[-1] % 2:
         return clamped_swiglu(gate_up, alpha, limit)  # also raises on bad arguments
     if not (alpha > 0 and limit > 0):  # NaN too: the eager op raises

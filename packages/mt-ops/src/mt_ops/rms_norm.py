@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mt_ops._dtypes import KERNEL_DTYPES
 from mt_ops._triton import cdiv, launch, num_sms, tl, triton, use_kernels
 
 __all__ = ["rms_norm", "rms_norm_reference"]
@@ -48,8 +49,6 @@ _RMS_NORM_BWD_PROGRAMS_PER_SM = 16
 _RMS_NORM_BWD_MIN_ROWS = 16
 # Backward programs on CPU tensors (the interpreter): several, so tests cover the split.
 _RMS_NORM_BWD_PROGRAMS_CPU = 3
-
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
@@ -287,7 +286,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
         Tensor of the shape and dtype of ``x``.
     """
     _check(x, weight, eps)
-    fused = x.dtype in _KERNEL_DTYPES and weight.dtype in _KERNEL_DTYPES and x.shape[-1] > 0
+    fused = x.dtype in KERNEL_DTYPES and weight.dtype in KERNEL_DTYPES and x.shape[-1] > 0
     if fused and use_kernels(x, weight):
         return _RMSNormFn.apply(x, weight, float(eps))
     return _rms_norm_eager(x, weight, eps)

@@ -19,15 +19,13 @@ of every ``x`` other than fp32, bf16 and fp16) and return the dtype of ``x``.
 import torch
 from torch import Tensor
 
-from mt_ops._dtypes import compute_dtype
+from mt_ops._dtypes import KERNEL_DTYPES, compute_dtype
 from mt_ops._triton import launch, tl, triton, use_kernels
 
 __all__ = ["apply_rope", "apply_rope_reference"]
 
 # Heads per loop step of the kernel (at most this many rows of [heads, head_dim / 2] at once).
 _ROPE_BLOCK_H = 16
-# The kernel rotates in fp32: other dtypes of x (fp64) take the reference, as in rms_norm.
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
@@ -140,7 +138,7 @@ def apply_rope(x_BSHD: Tensor, cos_SD: Tensor, sin_SD: Tensor) -> Tensor:
     Returns:
         Rotated tensor of the shape and dtype of ``x_BSHD``.
     """
-    fused = use_kernels(x_BSHD, cos_SD, sin_SD) and x_BSHD.dtype in _KERNEL_DTYPES
+    fused = use_kernels(x_BSHD, cos_SD, sin_SD) and x_BSHD.dtype in KERNEL_DTYPES
     if not fused or cos_SD.requires_grad or sin_SD.requires_grad:
         return apply_rope_reference(x_BSHD, cos_SD, sin_SD)
     cos, sin = _broadcast_cos_sin(x_BSHD, cos_SD, sin_SD)

@@ -16,15 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mt_ops._dtypes import compute_dtype
+from mt_ops._dtypes import KERNEL_DTYPES, compute_dtype
 from mt_ops._triton import cdiv, launch, tl, triton, use_kernels
 
 __all__ = ["swiglu", "swiglu_reference"]
 
 # Elements per program: 4096 over 8 warps is 16 per thread (two 16-byte bf16 vectors).
 _SWIGLU_BLOCK = 4096
-# The kernels compute in fp32: other dtypes (fp64) take the eager op, as in rms_norm.
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
@@ -105,7 +103,7 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
         Tensor of the shape and dtype of ``gate``.
     """
     _check(gate, up)
-    if use_kernels(gate, up) and gate.numel() and gate.dtype in _KERNEL_DTYPES:
+    if use_kernels(gate, up) and gate.numel() and gate.dtype in KERNEL_DTYPES:
         return _SwiGLUFn.apply(gate.contiguous(), up.contiguous())
     return F.silu(gate) * up
 

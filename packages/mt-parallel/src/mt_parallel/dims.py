@@ -154,7 +154,7 @@ class ParallelDims:
             num_heads: attention heads (query heads).
             seq_len: training sequence length.
         """
-        check_ep_divides_experts(self.ep, num_experts, self.world_size // (self.pp * self.cp))
+        check_ep_divides_experts(self.ep, num_experts, self.batch_ranks)  # dp * ep
         if self.cp > 1:
-            check_cp_divides_seq_len(self.cp, seq_len, self.world_size // (self.pp * self.ep))
+            check_cp_divides_seq_len(self.cp, seq_len, self.dp * self.cp)
         del num_heads  # context parallelism all-gathers keys and values: any head count

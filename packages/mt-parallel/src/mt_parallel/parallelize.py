@@ -93,10 +93,8 @@ def parallelize(
             )
     # Checked here, where the world is known, so the sizes named fit it too (the check of
     # apply_expert_parallel names every divisor of the experts, ep=2 on 3 ranks included).
-    ranks = dims.world_size // (dims.pp * dims.cp)
-    for module in model.modules():
-        if isinstance(module, GroupedExperts):
-            check_ep_divides_experts(dims.ep, module.num_experts, ranks)
+    for num_experts in {m.num_experts for m in model.modules() if isinstance(m, GroupedExperts)}:
+        check_ep_divides_experts(dims.ep, num_experts, dims.batch_ranks)  # dp * ep
     device = torch.device(device)
     mesh = build_mesh(dims, device.type)
     if dims.ep > 1:
@@ -179,7 +177,7 @@ def rank_batch_slices(
     per_rank = micro_batch // dims.batch_ranks
     seq_len = tokens.shape[1] - 1
     if dims.cp > 1:  # here, where the world is known, so the cp sizes named fit it too
-        check_cp_divides_seq_len(dims.cp, seq_len, dims.world_size // (dims.pp * dims.ep))
+        check_cp_divides_seq_len(dims.cp, seq_len, dims.dp * dims.cp)
     for start in range(0, tokens.shape[0], micro_batch):
         rows = tokens[start + batch_rank * per_rank : start + (batch_rank + 1) * per_rank]
         if dims.cp > 1:

@@ -39,7 +39,14 @@ from tqdm import tqdm
 
 from mt_data import default_tokenizer_path
 from mt_data.tokenizer import SPECIAL_TOKEN_FILES, load_tokenizer
-from mt_models import MODEL_FAMILIES, GptOssConfig, load_hf, load_hf_into, save_hf_tensors
+from mt_models import (
+    MODEL_FAMILIES,
+    GptOssConfig,
+    build_model,
+    load_hf,
+    load_hf_into,
+    save_hf_tensors,
+)
 from mt_models.configs import TRAINING_ONLY_FIELDS
 from mt_models.hf_io import Progress, read_hf_config
 from mt_train.checkpoint import (
@@ -575,9 +582,8 @@ def init_from_weights(model: torch.nn.Module, path: str | Path) -> Any:
 
 def _tensor_shapes(config: Any) -> dict[str, tuple[int, ...]]:
     """Canonical key → shape of the model of `config` (built on meta: no memory)."""
-    family = next(n for n, (cls, _) in MODEL_FAMILIES.items() if isinstance(config, cls))
     with torch.device("meta"):
-        model = MODEL_FAMILIES[family][1](config)
+        model = build_model(config)
     return {k: tuple(v.shape) for k, v in model.canonical_parameters().items()}
 
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mt_data.tokenizer import load_tokenizer
-from mt_models import MODEL_FAMILIES, CausalLM
+from mt_models import CausalLM, build_model
 from mt_models.hf_io import keep_fp32_routers
 from mt_train.checkpoint import load_model_weights
 from mt_train.convert import (
@@ -152,9 +152,8 @@ def load_checkpoint_model(checkpoint: str | Path, device: str = "cpu") -> Causal
     checkpoint = Path(checkpoint)
     model_config = checkpoint_model_config(checkpoint)
     stored = checkpoint_model_tensors(checkpoint)
-    family = next(n for n, (cls, _) in MODEL_FAMILIES.items() if isinstance(model_config, cls))
     with torch.device("meta"):
-        model = MODEL_FAMILIES[family][1](model_config)
+        model = build_model(model_config)
     embed = stored.get("model.embed_tokens.weight")
     # On meta, so to_empty allocates once; fp32 routers of a bfloat16 model stay fp32.
     model.to(torch.float32 if embed is None else embed[1])  # none: a load error names it

@@ -470,7 +470,7 @@ def _check_same_family(checkpoint, saved_config: Any, cfg: JobConfig) -> None:
     from mt_train.recipes import RECIPES
 
     theirs = saved_config.get("model_family") if isinstance(saved_config, dict) else None
-    ours = cfg.to_dict()["model_family"]
+    ours = family_of(cfg.model)
     if theirs is None or theirs == ours:
         return
     recipes = [name for name, recipe in RECIPES.items() if family_of(recipe().model) == theirs]
