@@ -329,15 +329,21 @@ def test_a_file_system_that_cannot_fsync_a_directory_still_builds(tmp_path, monk
     assert summary.num_documents == 1 and (tmp_path / "out" / "manifest.json").is_file()
 
 
-def test_a_running_unlocked_build_keeps_its_temporaries_out_of_the_stale_clean_up(tmp_path):
+def test_a_running_unlocked_build_keeps_its_temporaries_out_of_the_stale_clean_up(
+    tmp_path, monkeypatch
+):
     # A build without flock removes others' temporaries untouched for an hour. A writer's
     # batches sat in its files' buffers (st_blksize: 1-4 MiB on NFS and Lustre, a million
     # document lengths in the .idx), so a shard being written could look an hour old and
     # lose its .idx.<pid>-<random>.tmp to a second build; the first then failed to rename it.
     import numpy as np
 
+    import mt_data.indexed as indexed
     from mt_data.build import remove_partial_files
     from mt_data.indexed import IndexedDataset, IndexedDatasetWriter
+
+    clock = [1000.0]
+    monkeypatch.setattr(indexed.time, "monotonic", lambda: clock[0])
 
     suffix = ".4242-0a1b2c3d.tmp"
     writer = IndexedDatasetWriter(tmp_path / "a", np.uint16, temp_suffix=suffix)
@@ -346,7 +352,8 @@ def test_a_running_unlocked_build_keeps_its_temporaries_out_of_the_stale_clean_u
     then = time.time() - 2 * 3600  # as if the first batch was written two hours ago
     for path in temporaries:
         os.utime(path, (then, then))
-    writer.add_documents(np.array([8], np.uint16), np.array([1]))  # the batch written now
+    clock[0] += 61  # the batch written a minute later, now
+    writer.add_documents(np.array([8], np.uint16), np.array([1]))
     assert remove_partial_files(tmp_path, older_than=3600) == []
     writer.finalize()
     shard = IndexedDataset(tmp_path / "a")

@@ -36,6 +36,7 @@ import errno
 import os
 import resource
 import struct
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -70,6 +71,8 @@ DTYPE_CODES: dict[int, np.dtype] = {
     8: np.dtype(np.uint16),
 }
 _CODE_OF_DTYPE = {dtype: code for code, dtype in DTYPE_CODES.items()}
+# A writer's files are flushed at least this often (temporaries' age, see add_documents).
+_FLUSH_SECONDS = 60.0
 
 # Megatron's threshold: vocabularies below it fit uint16 with room for a few added tokens.
 _UINT16_VOCAB_LIMIT = 65500
@@ -200,6 +203,7 @@ class IndexedDatasetWriter:
             self._remove_temporaries()
             raise
         self._num_documents = 0
+        self._flushed_at = time.monotonic()
         self._done = False
         if np.issubdtype(self.dtype, np.integer):
             info = np.iinfo(self.dtype)
@@ -261,15 +265,21 @@ class IndexedDatasetWriter:
                     f"token ids in [{low}, {high}] do not fit {self.dtype} "
                     f"(range {self._bounds}); pick the dtype with token_dtype(vocab_size)"
                 )
-        # Flushed each call: a build without flock takes temporaries untouched for an hour
-        # for a killed build's, and a buffer (st_blksize: 1-4 MiB on NFS and Lustre, a
-        # million document lengths in the .idx) could hold a running shard's writes longer.
+        # Flushed at least every _FLUSH_SECONDS: a build without flock takes temporaries
+        # untouched for an hour for a killed build's, and a buffer (st_blksize: 1-4 MiB on
+        # NFS and Lustre, a million document lengths in the .idx) could hold a running
+        # shard's writes longer. Not every call: `add_document` comes once per document.
+        flush = time.monotonic() - self._flushed_at >= _FLUSH_SECONDS
         with naming_file(self._bin_tmp):
             self._bin_file.write(tokens.astype(self.dtype, copy=False).tobytes())
-            self._bin_file.flush()
+            if flush:
+                self._bin_file.flush()
         with naming_file(self._idx_tmp):
             self._idx_file.write(lengths.astype("<i4").tobytes())
-            self._idx_file.flush()
+            if flush:
+                self._idx_file.flush()
+        if flush:
+            self._flushed_at = time.monotonic()
         self._num_documents += int(lengths.size)
 
     def finalize(self) -> None:
