@@ -71,12 +71,12 @@ __all__ = ["BuildSummary", "CorpusError", "ShardSummary", "build_corpus", "build
 OnError = Literal["skip", "fail"]
 # Temporaries of a build: `<shard>.bin`/`.idx`/`manifest.json` (`<shard>.json` in the
 # record directory) + `.tmp`, or + `.<pid>-<random>.tmp` for a build without the lock.
-_TEMP_SUFFIX = r"(\.\d+-[0-9a-f]{8})?\.tmp"
-_PARTIAL_FILE = re.compile(rf"(.+\.(bin|idx)|{re.escape(MANIFEST_NAME)}){_TEMP_SUFFIX}", re.DOTALL)
-_PARTIAL_RECORD = re.compile(rf".+\.json{_TEMP_SUFFIX}", re.DOTALL)
+TEMP_SUFFIX = r"(\.\d+-[0-9a-f]{8})?\.tmp"
+_PARTIAL_FILE = re.compile(rf"(.+\.(bin|idx)|{re.escape(MANIFEST_NAME)}){TEMP_SUFFIX}", re.DOTALL)
+_PARTIAL_RECORD = re.compile(rf".+\.json{TEMP_SUFFIX}", re.DOTALL)
 # Without the lock, temporaries this old are taken for a killed build's: a running build
-# writes its shard's every batch, and its JSON files' within a second.
-_UNLOCKED_PARTIAL_SECONDS = 3600
+# flushes its shard's at least every minute, and writes its JSON files' within a second.
+UNLOCKED_PARTIAL_SECONDS = 3600
 # How often a worker checks that the main process is still alive.
 _ORPHAN_POLL_SECONDS = 1.0
 # Documents per in-process batch of `build_documents`.
@@ -544,7 +544,7 @@ def build_corpus(
                 jobs.append((path, out / name))
         # Only now, so that a refused build changes nothing. Without the lock, recent ones
         # may be another build's files in progress.
-        remove_partial_files(out, older_than=None if locked else _UNLOCKED_PARTIAL_SECONDS)
+        remove_partial_files(out, older_than=None if locked else UNLOCKED_PARTIAL_SECONDS)
         if _listed_shards(previous) & {prefix.name for _, prefix in jobs}:
             # A shard the manifest lists will be rewritten: until the new manifest the
             # directory is an unfinished build (readers refuse it). Otherwise the old

@@ -25,7 +25,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from mt_data.build import (
-    _UNLOCKED_PARTIAL_SECONDS,
+    TEMP_SUFFIX,
+    UNLOCKED_PARTIAL_SECONDS,
     build_documents,
     build_lock,
     build_temp_suffix,
@@ -54,30 +55,16 @@ __all__ = [
 _ASSETS = Path(__file__).parent / "assets"
 DEFAULT_SHARD_NAME = "stdlib"
 # The manifest's `source` of a default corpus, and every name `build_default_corpus` writes
-# into its output (the shard, its in-progress temporaries, the manifest and its temporary):
-# the only names it may replace.
+# into its output (the shard and the manifest, each also with a build's temporary suffix,
+# locked or not): the only names it may replace.
 _DEFAULT_SOURCE = "python-stdlib"
-_DEFAULT_CORPUS_NAMES = frozenset(
-    {
-        f"{DEFAULT_SHARD_NAME}.bin",
-        f"{DEFAULT_SHARD_NAME}.idx",
-        f"{DEFAULT_SHARD_NAME}.bin.tmp",
-        f"{DEFAULT_SHARD_NAME}.idx.tmp",
-        MANIFEST_NAME,
-        f"{MANIFEST_NAME}.tmp",
-    }
-)
-# The temporaries of a build without flock (`build_temp_suffix`), replaceable too.
-_UNLOCKED_DEFAULT_TEMPORARY = re.compile(
-    rf"({DEFAULT_SHARD_NAME}\.(bin|idx)|{re.escape(MANIFEST_NAME)})\.\d+-[0-9a-f]{{8}}\.tmp"
+_DEFAULT_CORPUS_NAME = re.compile(
+    rf"({DEFAULT_SHARD_NAME}\.(bin|idx)|{re.escape(MANIFEST_NAME)})({TEMP_SUFFIX})?"
 )
 # A default build's temporary directory (`.<final name>.tmp-<random>`) no build holds the
 # lock of and untouched this long is a killed build's. The age covers the moment between
 # its creation and `build_lock`; a build takes seconds.
 _ABANDONED_AFTER_SECONDS = 600
-# Where the file system has no flock, only the age tells: a default build takes seconds to
-# a few minutes, so one untouched for an hour is a killed build's.
-_ABANDONED_WITHOUT_LOCK_SECONDS = 3600
 # Directories skipped anywhere below the standard library root: third-party code,
 # test suites (large and full of deliberately odd code), tools not worth learning, and
 # generated data rather than code: `encodings` (1.4 MB of codec tables) and `pydoc_data`
@@ -163,11 +150,7 @@ def _check_replaceable(out: Path) -> None:
         ValueError: If `out` holds other files (say the shards of `mt-data build`), or its
             manifest describes a corpus other than the default one.
     """
-    foreign = sorted(
-        p.name
-        for p in out.iterdir()
-        if p.name not in _DEFAULT_CORPUS_NAMES and not _UNLOCKED_DEFAULT_TEMPORARY.fullmatch(p.name)
-    )
+    foreign = sorted(p.name for p in out.iterdir() if not _DEFAULT_CORPUS_NAME.fullmatch(p.name))
     if foreign:
         more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
         shown = ", ".join(foreign[:5]) + more
@@ -211,7 +194,7 @@ def build_default_corpus(output: str | Path, *, progress: bool = False) -> Path:
         check_tokenizer(out, file_sha256(tokenizer.path), tokenizer.path)
         _check_replaceable(out)
         # Without the lock, recent temporaries may be another build's in progress.
-        remove_partial_files(out, older_than=None if locked else _UNLOCKED_PARTIAL_SECONDS)
+        remove_partial_files(out, older_than=None if locked else UNLOCKED_PARTIAL_SECONDS)
         (out / MANIFEST_NAME).unlink(missing_ok=True)  # its stdlib shard is rewritten
         temp_suffix = build_temp_suffix(locked)
         shard = build_documents(
@@ -290,7 +273,7 @@ def _remove_abandoned_builds(parent: Path) -> None:
     """Remove the temporary directories of default builds killed (`kill -9`, a power cut)
     before they were renamed into place: each holds a partial corpus (~10 MB) and would
     stay forever. One a build holds the lock of, or touched in the last
-    `_ABANDONED_AFTER_SECONDS` (`_ABANDONED_WITHOUT_LOCK_SECONDS` where the file system
+    `_ABANDONED_AFTER_SECONDS` (`UNLOCKED_PARTIAL_SECONDS` where the file system
     has no flock), is left alone."""
     if not parent.is_dir():
         return
@@ -308,7 +291,7 @@ def _remove_abandoned_builds(parent: Path) -> None:
             except BlockingIOError:  # a build holds it
                 continue
             except OSError:  # no flock on this file system (NFS): only the age tells
-                if age < _ABANDONED_WITHOUT_LOCK_SECONDS:
+                if age < UNLOCKED_PARTIAL_SECONDS:
                     continue
             shutil.rmtree(directory, ignore_errors=True)
         finally:
