@@ -120,10 +120,12 @@ def test_take_resumes_exactly_from_state(corpus):
 def test_stop_raises_data_exhausted_before_consuming(corpus):
     dataset = TokenDataset(corpus[0], SEQ_LEN, on_exhausted="stop")
     dataset.take(8)
+    assert not dataset.can_take(4) and dataset.can_take(2)  # it consumes nothing
     with pytest.raises(DataExhausted, match="2 of 10 samples left.*needs 4"):
         dataset.take(4)
     assert dataset.consumed_samples == 8
     assert dataset.take(2).shape == (2, SEQ_LEN + 1)
+    assert not dataset.can_take(1) and TokenDataset(corpus[0], SEQ_LEN).can_take(100)
     with pytest.raises(DataExhausted):
         dataset.take(1)
 

@@ -256,6 +256,46 @@ class TokenDataset:
             )
         return [(int(a), int(b)) for a, b in ranges]
 
+    def can_take(self, global_batch_size: int) -> bool:
+        """Whether `take(global_batch_size, ...)` would find its samples: always under
+        "repeat"; under "stop", whether every corpus has them left in its first epoch.
+        Nothing is read or consumed.
+        """
+        try:
+            self._next_batch(global_batch_size)
+        except DataExhausted:
+            return False
+        return True
+
+    def _next_batch(self, global_batch_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The corpus of each row of the next global batch, the index of its sample within
+        that corpus (before shuffling), and each corpus's samples consumed after it.
+
+        Raises:
+            DataExhausted: Under "stop", if a corpus has fewer samples left in its first
+                epoch than the batch needs from it.
+        """
+        corpus_G = mix_schedule(
+            self.weights, self.consumed_samples, self._consumed_C, global_batch_size
+        )
+        # k-th sample taken from its corpus, for every row of the global batch.
+        order_G = np.empty(global_batch_size, dtype=np.int64)
+        counts = self._consumed_C.copy()
+        for c in range(len(self.corpora)):
+            rows = np.flatnonzero(corpus_G == c)
+            order_G[rows] = counts[c] + np.arange(len(rows))
+            counts[c] += len(rows)
+        if self.on_exhausted == "stop":
+            for c, packed in enumerate(self.corpora):
+                if counts[c] > packed.num_samples:
+                    left = max(packed.num_samples - int(self._consumed_C[c]), 0)
+                    raise DataExhausted(
+                        f"{self._describe(c)}: {left} of {packed.num_samples} samples left, "
+                        f"the next global batch of {global_batch_size} needs "
+                        f"{int(counts[c] - self._consumed_C[c])} (on_exhausted='stop')"
+                    )
+        return corpus_G, order_G, counts
+
     def take(
         self,
         global_batch_size: int,
@@ -303,25 +343,7 @@ class TokenDataset:
         if rank >= world_size:
             raise ValueError(f"rank ({rank}) must be in [0, world_size={world_size})")
         ranges = self._check_ranges(token_ranges)
-        corpus_G = mix_schedule(
-            self.weights, self.consumed_samples, self._consumed_C, global_batch_size
-        )
-        # k-th sample taken from its corpus, for every row of the global batch.
-        order_G = np.empty(global_batch_size, dtype=np.int64)
-        counts = self._consumed_C.copy()
-        for c in range(len(self.corpora)):
-            rows = np.flatnonzero(corpus_G == c)
-            order_G[rows] = counts[c] + np.arange(len(rows))
-            counts[c] += len(rows)
-        if self.on_exhausted == "stop":
-            for c, packed in enumerate(self.corpora):
-                if counts[c] > packed.num_samples:
-                    left = max(packed.num_samples - int(self._consumed_C[c]), 0)
-                    raise DataExhausted(
-                        f"{self._describe(c)}: {left} of {packed.num_samples} samples left, "
-                        f"the next global batch of {global_batch_size} needs "
-                        f"{int(counts[c] - self._consumed_C[c])} (on_exhausted='stop')"
-                    )
+        corpus_G, order_G, counts = self._next_batch(global_batch_size)
         rows_per_rank = global_batch_size // world_size
         mine = slice(rank * rows_per_rank, (rank + 1) * rows_per_rank)
         width = sum(b - a for a, b in ranges)

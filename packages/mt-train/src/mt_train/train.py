@@ -560,22 +560,12 @@ def next_microbatches(state: TrainState, dataset: TokenDataset | None = None) ->
 
 def _data_runs_out(state: TrainState) -> bool:
     """True when the run stops on exhausted data (``data.on_exhausted='stop'``) and the
-    next global batch is not there, so the step just run is the run's last.
-
-    It reads one token of each sample of that batch, if there is one, and puts the loader
-    back where it was; every rank gets the same answer.
-    """
+    next global batch is not there, so the step just run is the run's last (nothing is
+    read; every rank gets the same answer)."""
     dataset = state.dataset
-    if dataset.on_exhausted != "stop":
-        return False
-    position = dataset.state_dict()
-    try:
-        dataset.take(state.cfg.training.global_batch_size, token_ranges=[(0, 1)])
-    except DataExhausted:
-        return True
-    finally:
-        dataset.load_state_dict(position)
-    return False
+    return dataset.on_exhausted == "stop" and not dataset.can_take(
+        state.cfg.training.global_batch_size
+    )
 
 
 def train_step(
