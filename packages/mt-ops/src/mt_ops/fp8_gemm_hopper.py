@@ -52,6 +52,8 @@ loaded in a slice of the MMA layout, or a TMA store outside a runtime ``if`` wit
 ``else``, hit a lowering assertion.
 """
 
+from functools import cache
+
 import torch
 from torch import Tensor
 
@@ -89,6 +91,12 @@ if HAS_GLUON:  # kernels read these as compile-time constants
     LOADER_REGS = gl.constexpr(_LOADER_REGS)
 
 
+@cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    """The device's compute capability, asked once (``supported`` runs on every GEMM)."""
+    return torch.cuda.get_device_capability(device)
+
+
 def supported(operands, out: Tensor) -> bool:
     """Whether these kernels can run ``operands`` (:class:`~mt_ops.fp8_quant.Fp8Quantized`)
     into ``out``: Gluon imports, the device is a Hopper GPU (sm_90: wgmma), the scales are
@@ -96,7 +104,7 @@ def supported(operands, out: Tensor) -> bool:
     and the data and ``out`` are contiguous, 16-byte aligned CUDA tensors with 16-byte
     aligned rows, non-empty, with fewer than 2³¹ elements (TMA coordinates and row offsets
     are int32)."""
-    if not HAS_GLUON or not out.is_cuda or torch.cuda.get_device_capability(out.device) != (9, 0):
+    if not HAS_GLUON or not out.is_cuda or _capability(out.device) != (9, 0):
         return False
     if out.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return False

@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from mt_train.distributed import failing_together
+from mt_train.distributed import failing_together, first_line
 
 # 2: RNG states per rank (`rng/<device>/rank_<r>`); version 1 wrote one `rng/<device>` for
 # every rank, which is still read. An older moetrain refuses 2 as newer than it reads.
@@ -82,7 +82,7 @@ def reading_checkpoint(path: str | Path, fix: str):
         yield
     except _READ_ERRORS as err:
         cause = first_failure(err)
-        detail = str(cause).strip().splitlines()[0][:300] if str(cause).strip() else ""
+        detail = first_line(cause)
         raise ValueError(
             f"checkpoint {path} cannot be read, it is damaged or incomplete "
             f"({type(cause).__name__}{': ' + detail if detail else ''}); {fix}"

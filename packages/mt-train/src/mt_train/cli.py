@@ -191,13 +191,13 @@ def _report_failed_save(err: BaseException) -> bool:
     `mt_train.checkpoint` added (which checkpoint, the free space, that the previous one
     stands); True when `err` is one. Other errors keep their traceback."""
     from mt_train.checkpoint import first_failure
+    from mt_train.distributed import first_line
 
     notes = [n for n in getattr(err, "__notes__", ()) if n.startswith("mt-train: writing")]
     if not notes:
         return False
     cause = first_failure(err)
-    detail = str(cause).strip().splitlines()[0][:300] if str(cause).strip() else ""
-    print(f"mt-train: error: {type(cause).__name__}: {detail}", file=sys.stderr)
+    print(f"mt-train: error: {type(cause).__name__}: {first_line(cause)}", file=sys.stderr)
     print(notes[0].removeprefix("mt-train: "), file=sys.stderr)
     return True
 

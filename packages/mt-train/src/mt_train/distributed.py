@@ -87,6 +87,13 @@ def leave_process_group() -> None:
         dist.destroy_process_group()
 
 
+def first_line(err: BaseException) -> str:
+    """The first line of an error's message, at most 300 characters ("" for none): what a
+    one-line report quotes of it."""
+    text = str(err).strip()
+    return text.splitlines()[0][:300] if text else ""
+
+
 class RankFailedError(RuntimeError):
     """Another rank failed in a step of setup that `failing_together` guarded."""
 

@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from mt_train.distributed import first_line
+
 # Device-name part → (measured, spec) dense BF16 FLOP/s; the first match wins, so the
 # PCIe and NVL parts come before the SXM names they contain.
 PEAK_FLOPS = {
@@ -244,7 +246,7 @@ class WandbSink:
                 id=_wandb_run_id(run_dir), resume="allow",
             )  # fmt: skip
         except wandb.errors.Error as err:  # not logged in, no network, a bad project name
-            detail = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
+            detail = first_line(err)
             raise ValueError(
                 f"metrics.wandb_project={project!r}: W&B could not start a run "
                 f"({detail or type(err).__name__}); log in with `wandb login`, set "
