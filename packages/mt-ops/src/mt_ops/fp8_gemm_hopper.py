@@ -179,8 +179,7 @@ if HAS_GLUON:
     # --- fprop / dgrad ----------------------------------------------------------------------
 
     @gluon.jit
-    def _gemm_loader(p, CID: gl.constexpr, HAS_SECOND: gl.constexpr,
-                     TMA_STORE: gl.constexpr):  # fmt: skip
+    def _gemm_loader(p, HAS_SECOND: gl.constexpr):
         (a_desc, b_desc, a2_desc, b2_desc, a_bufs, b_bufs, ready, empty, sa_ptr, sb_ptr,
          sa2_ptr, sb2_ptr, c_ptr, c_desc, c_bufs, tile_start_ptr, tile_end_ptr, tile_group_ptr,
          N, num_k1, num_k2, num_n_scale, num_n_blocks, num_tiles, num_groups,
@@ -338,7 +337,7 @@ if HAS_GLUON:
             [
                 (_gemm_consumer, (p, 0, HAS_SECOND, TMA_STORE)),
                 (_gemm_consumer, (p, 1, HAS_SECOND, TMA_STORE)),
-                (_gemm_loader, (p, 0, HAS_SECOND, TMA_STORE)),
+                (_gemm_loader, (p, HAS_SECOND)),
             ],
             [4, 1],
             [CONSUMER_REGS, LOADER_REGS],
@@ -353,8 +352,7 @@ if HAS_GLUON:
         return g, gl.load(group_first_ptr + g), gl.load(group_first_ptr + g + 1)
 
     @gluon.jit
-    def _wgrad_loader(p, CID: gl.constexpr, TMA_STORE: gl.constexpr,
-                      ACCUMULATE: gl.constexpr):  # fmt: skip
+    def _wgrad_loader(p):
         (a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty,
          c_ptr, c_desc, c_bufs, group_first_ptr, N, K, num_m, num_n, num_groups,
          num_programs) = p  # fmt: skip
@@ -456,7 +454,7 @@ if HAS_GLUON:
             [
                 (_wgrad_consumer, (p, 0, TMA_STORE, ACCUMULATE)),
                 (_wgrad_consumer, (p, 1, TMA_STORE, ACCUMULATE)),
-                (_wgrad_loader, (p, 0, TMA_STORE, ACCUMULATE)),
+                (_wgrad_loader, (p,)),
             ],
             [4, 1],
             [CONSUMER_REGS, LOADER_REGS],
