@@ -157,6 +157,23 @@ if HAS_GLUON:
         return ready, empty
 
     @gluon.jit
+    def _claim_free_stage(ready, empty, i, nbytes: gl.constexpr):
+        """The loader's ``i``-th stage (``i % STAGES``) and its ``ready`` barrier, once the
+        consumers have released the stage's previous round; the barrier then expects
+        ``nbytes`` of TMA loads."""
+        s = i % STAGES
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), nbytes)
+        return s, ready.index(s)
+
+    @gluon.jit
+    def _load_ab(a_desc, b_desc, a_row, b_row, k, bar, a_bufs, b_bufs, s):
+        """TMA loads of A's [128, 128] tile at (a_row, k) and B's [256, 128] tile at
+        (b_row, k) into stage ``s`` of the rings, completing on ``bar``."""
+        tma.async_copy_global_to_shared(a_desc, [a_row, k], bar, a_bufs.index(s))
+        tma.async_copy_global_to_shared(b_desc, [b_row, k], bar, b_bufs.index(s))
+
+    @gluon.jit
     def _store_staging(c_desc, TMA_STORE: gl.constexpr):
         """Staging for the TMA stores: two [64, 128] halves per consumer warpgroup."""
         NUM_C: gl.constexpr = 4 if TMA_STORE else 1
@@ -198,27 +215,13 @@ if HAS_GLUON:
             if g < num_groups:  # tile slots past the last group are unused
                 b_row = g * N + pid_n * BLOCK_N  # B viewed as [G·N, K]
                 for kb in range(num_k1 + num_k2):
-                    s = i % STAGES
-                    mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-                    mbarrier.expect(ready.index(s), nbytes)
-                    bar = ready.index(s)
-                    if HAS_SECOND:
-                        if kb >= num_k1:
-                            k = (kb - num_k1) * BLOCK
-                            tma.async_copy_global_to_shared(a2_desc, [row_start, k], bar,
-                                                            a_bufs.index(s))  # fmt: skip
-                            tma.async_copy_global_to_shared(b2_desc, [b_row, k], bar,
-                                                            b_bufs.index(s))  # fmt: skip
-                        else:
-                            tma.async_copy_global_to_shared(a_desc, [row_start, kb * BLOCK], bar,
-                                                            a_bufs.index(s))  # fmt: skip
-                            tma.async_copy_global_to_shared(b_desc, [b_row, kb * BLOCK], bar,
-                                                            b_bufs.index(s))  # fmt: skip
+                    s, bar = _claim_free_stage(ready, empty, i, nbytes)
+                    if HAS_SECOND and kb >= num_k1:
+                        _load_ab(a2_desc, b2_desc, row_start, b_row, (kb - num_k1) * BLOCK, bar,
+                                 a_bufs, b_bufs, s)  # fmt: skip
                     else:
-                        tma.async_copy_global_to_shared(a_desc, [row_start, kb * BLOCK], bar,
-                                                        a_bufs.index(s))  # fmt: skip
-                        tma.async_copy_global_to_shared(b_desc, [b_row, kb * BLOCK], bar,
-                                                        b_bufs.index(s))  # fmt: skip
+                        _load_ab(a_desc, b_desc, row_start, b_row, kb * BLOCK, bar, a_bufs, b_bufs,
+                                 s)  # fmt: skip
                     i += 1
             g, row_start = g_next, start_next
 
@@ -366,14 +369,9 @@ if HAS_GLUON:
             pid_m = (pid // num_n) % num_m
             g, first, last = _wgrad_bounds(group_first_ptr, pid, num_m, num_n)
             for t in range(first, last):
-                s = i % STAGES
-                mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-                mbarrier.expect(ready.index(s), nbytes)
-                bar = ready.index(s)
-                tma.async_copy_global_to_shared(a_desc, [pid_m * BLOCK, t * BLOCK], bar,
-                                                a_bufs.index(s))  # fmt: skip
-                tma.async_copy_global_to_shared(b_desc, [pid_n * BLOCK_N, t * BLOCK], bar,
-                                                b_bufs.index(s))  # fmt: skip
+                s, bar = _claim_free_stage(ready, empty, i, nbytes)
+                _load_ab(a_desc, b_desc, pid_m * BLOCK, pid_n * BLOCK_N, t * BLOCK, bar, a_bufs,
+                         b_bufs, s)  # fmt: skip
                 # The step's scales: rows of the tile-major [T, N] and [T, K], read flat.
                 tma.async_copy_global_to_shared(sa_desc, [t * N + pid_m * BLOCK], bar,
                                                 sa_bufs.index(s))  # fmt: skip
