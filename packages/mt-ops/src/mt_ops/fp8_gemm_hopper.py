@@ -233,12 +233,11 @@ if HAS_GLUON:
         sb_p = sb_ptr
         num_k = num_k1
         k = kb
-        if HAS_SECOND:  # noqa: SIM102 - a compile-time branch around a runtime one
-            if kb >= num_k1:
-                sa_p = sa2_ptr
-                sb_p = sb2_ptr
-                num_k = num_k2
-                k = kb - num_k1
+        if HAS_SECOND and kb >= num_k1:
+            sa_p = sa2_ptr
+            sb_p = sb2_ptr
+            num_k = num_k2
+            k = kb - num_k1
         offs = rows.to(gl.int64) * num_k + k
         sa0 = _load_scale(sa_p, offs, ok0 & valid)
         sa1 = _load_scale(sa_p, offs + 64 * num_k, ok1 & valid)
