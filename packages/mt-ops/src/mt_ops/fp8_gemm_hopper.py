@@ -89,6 +89,10 @@ if HAS_GLUON:  # kernels read these as compile-time constants
     STAGES = gl.constexpr(_STAGES)
     CONSUMER_REGS = gl.constexpr(_CONSUMER_REGS)
     LOADER_REGS = gl.constexpr(_LOADER_REGS)
+    # A consumer warpgroup's wgmma results: [64, 128] fp32 over its 4 warps.
+    MMA_LAYOUT = gl.constexpr(
+        gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
+    )
 
 
 @cache
@@ -251,9 +255,7 @@ if HAS_GLUON:
          sa2_ptr, sb2_ptr, c_ptr, c_desc, c_bufs, tile_start_ptr, tile_end_ptr, tile_group_ptr,
          N, num_k1, num_k2, num_n_scale, num_n_blocks, num_tiles, num_groups,
          num_programs) = p  # fmt: skip
-        mma: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32]
-        )
+        mma: gl.constexpr = MMA_LAYOUT
         row_l: gl.constexpr = gl.SliceLayout(1, mma)
         part = gl.zeros([64, BLOCK], gl.float32, mma)
         total = num_tiles * num_n_blocks
@@ -384,9 +386,7 @@ if HAS_GLUON:
         (a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty,
          c_ptr, c_desc, c_bufs, group_first_ptr, N, K, num_m, num_n, num_groups,
          num_programs) = p  # fmt: skip
-        mma: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32]
-        )
+        mma: gl.constexpr = MMA_LAYOUT
         row_l: gl.constexpr = gl.SliceLayout(1, mma)
         col_l: gl.constexpr = gl.SliceLayout(0, mma)
         part = gl.zeros([64, BLOCK], gl.float32, mma)
