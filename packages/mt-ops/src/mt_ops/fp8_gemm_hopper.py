@@ -108,6 +108,8 @@ def supported(operands, out: Tensor) -> bool:
     and the data and ``out`` are contiguous, 16-byte aligned CUDA tensors with 16-byte
     aligned rows, non-empty, with fewer than 2³¹ elements (TMA coordinates and row offsets
     are int32)."""
+    # Not mt_ops.fp8_gemm._use_tma, which differs twice: it bounds rows (here: elements) by
+    # 2³¹ and wants rows of a multiple of 16 elements (``out`` here: of 16 bytes).
     if not HAS_GLUON or not out.is_cuda or _capability(out.device) != (9, 0):
         return False
     if out.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -397,6 +399,10 @@ if HAS_GLUON:
             g, first, last = _wgrad_bounds(group_first_ptr, pid, num_m, num_n)
             acc0 = gl.zeros([64, BLOCK], gl.float32, mma)
             acc1 = gl.zeros([64, BLOCK], gl.float32, mma)
+            # The K step repeats _gemm_consumer's rather than calling a shared helper: such a
+            # helper leaves the PTX instructions as they are, but its inlined scope's line-info
+            # labels in this loop change ptxas's schedule and spills (BF16 output: spill stores
+            # 164 -> 128 bytes), a change only the H200 could judge.
             for _ in range(first, last):
                 s = i % STAGES
                 mbarrier.wait(ready.index(s), (i // STAGES) & 1)
