@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from mt_train.distributed import first_line
+from mt_train.files import write_text_durably
 
 # Device-name part → (measured, spec) dense BF16 FLOP/s; the first match wins, so the
 # PCIe and NVL parts come before the SXM names they contain.
@@ -103,12 +104,7 @@ class MetricsLogger:
                     kept.append(line)
             except (json.JSONDecodeError, KeyError, TypeError):
                 continue  # a torn last line from a crash
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        with open(tmp, "w") as f:
-            f.write("".join(line + "\n" for line in kept))
-            f.flush()
-            os.fsync(f.fileno())  # else a power loss after the rename can leave it empty
-        os.replace(tmp, self.path)
+        write_text_durably(self.path, "".join(line + "\n" for line in kept))
 
     def log(self, metrics: dict[str, Any]) -> None:
         """Records one step's metrics (must contain `step`)."""

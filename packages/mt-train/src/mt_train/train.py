@@ -62,6 +62,7 @@ from mt_train.faults import (
     stop_on_signals,
     write_exit_file,
 )
+from mt_train.files import write_text_durably
 from mt_train.metrics import MetricsLogger, build_sinks, peak_flops
 from mt_train.optim import build_optimizer, lr_at, set_lr
 from mt_train.overrides import flatten
@@ -310,7 +311,7 @@ def _resume_or_start(state: TrainState, run_dir: Path) -> None:
             )
     with failing_together(f"writing {run_dir / 'config.json'}"):
         if env.is_main:
-            _write_json_atomic(run_dir / "config.json", cfg.to_dict())
+            write_text_durably(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
 
 
 def _lock_run_dir(run_dir: Path) -> TextIO:
@@ -478,15 +479,6 @@ def _check_same_family(checkpoint, saved_config: Any, cfg: JobConfig) -> None:
         f"checkpoint {checkpoint.path} holds a {theirs} model but this run builds a {ours} "
         f"one; resume with a {theirs} recipe ({', '.join(recipes)}) or use a new run_dir"
     )
-
-
-def _write_json_atomic(path: Path, data: Any) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(data, indent=2))
-        f.flush()
-        os.fsync(f.fileno())  # else a power loss after the rename can leave it empty
-    os.replace(tmp, path)
 
 
 def _check_same_tokenization(train: TokenDataset, train_dir, val: TokenDataset, val_dir) -> None:
