@@ -463,6 +463,42 @@ def test_generate_puts_the_space_a_metaspace_tokenizer_decodes_between_prompt_an
     assert mt_train.generate.generate(checkpoint, "Hello") == "Hello world again"
 
 
+def test_generate_reads_train_state_json_once_for_each_thing_it_looks_up(
+    tmp_path, mt_checkpoint, monkeypatch
+):
+    # A run's checkpoint, whose tokenizer its corpus's manifest names: train_state.json was
+    # read five times, twice by training_tokenizer (the config check, then the corpus),
+    # once each for the prompt's vocabulary check and the corpus's special ids, and once
+    # more for load_checkpoint_model's config, which generate had read already.
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from mt_train.generate import generate
+
+    vocab = {"Hello": 0, "world": 1, "<|endoftext|>": 2}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="world"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    (tmp_path / "corpus").mkdir()
+    tokenizer.save(str(tmp_path / "corpus" / "tokenizer.json"))
+    manifest = {"tokenizer": str(tmp_path / "corpus" / "tokenizer.json")}
+    (tmp_path / "corpus" / "manifest.json").write_text(json.dumps(manifest))
+    checkpoint = tmp_path / "step_00000002"
+    data = {"path": str(tmp_path / "corpus")}
+    _edited_copy(mt_checkpoint, checkpoint, lambda state: state["config"].update(data=data))
+    (checkpoint / "tokenizer.json").unlink()
+    reads = []
+    read_text = Path.read_text
+
+    def counting_read_text(self, *args, **kwargs):
+        if self.name == "train_state.json":
+            reads.append(self)
+        return read_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", counting_read_text)
+    assert generate(checkpoint, "Hello", max_new_tokens=1).startswith("Hello")
+    # The tokenizer's lookup, the model config, the corpus's special ids.
+    assert len(reads) == 3, reads
+
+
 def test_generate_stops_at_every_eos_id_of_the_checkpoint_generation_config_json(
     tmp_path, mt_checkpoint, monkeypatch
 ):

@@ -139,10 +139,10 @@ def training_tokenizer(checkpoint: str | Path) -> Path | None:
             other tokenizer would silently turn the model's ids into other text.
     """
     checkpoint = Path(checkpoint)
-    checkpoint_model_config(checkpoint)  # not a checkpoint, or a damaged one: named
+    state = _checkpoint_state(checkpoint)
+    _model_config_of(checkpoint, state)  # not a checkpoint, or a damaged one: named
     if (checkpoint / "tokenizer.json").is_file():
         return checkpoint / "tokenizer.json"
-    state = json.loads((checkpoint / _STATE_FILE).read_text())
     data = state.get("config", {}).get("data")
     if data is None:  # model-only: no corpus
         return None
@@ -363,6 +363,12 @@ def checkpoint_model_config(path: Path) -> Any:
         ValueError: If `path` is not a complete checkpoint (a run directory is named as
             such, with its newest checkpoint), or its config cannot be built.
     """
+    return _model_config_of(path, _checkpoint_state(path))
+
+
+def _checkpoint_state(path: Path) -> dict[str, Any]:
+    """The ``train_state.json`` of a complete mt checkpoint of this format version (read once:
+    `checkpoint_model_config` and `training_tokenizer` both need it)."""
     if not (path / ".metadata").is_file() or not (path / _STATE_FILE).is_file():
         _refuse_a_run_dir(path, "")
         raise ValueError(
@@ -372,6 +378,11 @@ def checkpoint_model_config(path: Path) -> Any:
     with reading_checkpoint(path, _OTHER_CHECKPOINT):
         state = json.loads((path / _STATE_FILE).read_text())
     check_format_version(path, state, _OTHER_CHECKPOINT)
+    return state
+
+
+def _model_config_of(path: Path, state: dict[str, Any]) -> Any:
+    """The model config saved in checkpoint `path`'s `state` (its ``train_state.json``)."""
     try:
         saved = state["config"]
         return MODEL_FAMILIES[saved["model_family"]][0](**saved["model"])

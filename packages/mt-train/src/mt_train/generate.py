@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -135,7 +135,9 @@ def generation_config_eos_ids(checkpoint: Path) -> list[int]:
     return ids
 
 
-def load_checkpoint_model(checkpoint: str | Path, device: str = "cpu") -> CausalLM:
+def load_checkpoint_model(
+    checkpoint: str | Path, device: str = "cpu", model_config: Any = None
+) -> CausalLM:
     """The model of an mt checkpoint, in eval mode: parameters in the embedding's dtype,
     router weights stored in fp32 (a bfloat16 DeepSeek-V2 from transformers) in fp32.
 
@@ -145,12 +147,15 @@ def load_checkpoint_model(checkpoint: str | Path, device: str = "cpu") -> Causal
     Args:
         checkpoint: an mt checkpoint (a run's ``step_N`` or ``convert hf-to-mt`` output).
         device: where the parameters live.
+        model_config: its `checkpoint_model_config`, when the caller has read it already;
+            read here when None.
 
     Returns:
         The model.
     """
     checkpoint = Path(checkpoint)
-    model_config = checkpoint_model_config(checkpoint)
+    if model_config is None:
+        model_config = checkpoint_model_config(checkpoint)
     stored = checkpoint_model_tensors(checkpoint)
     with torch.device("meta"):
         model = build_model(model_config)
@@ -228,7 +233,8 @@ def generate(
             f"into {checkpoint}"
         )
     # The prompt is checked against the config's vocabulary before the weights are read.
-    vocab_size = checkpoint_model_config(checkpoint).vocab_size
+    model_config = checkpoint_model_config(checkpoint)
+    vocab_size = model_config.vocab_size
     tokenizer = load_tokenizer(tokenizer_path)
     corpus = training_special_ids(checkpoint)
     if corpus is None:  # model-only: encoded as Hugging Face does (its post-processor's BOS)
@@ -248,7 +254,7 @@ def generate(
             f"copy the model's tokenizer.json into {checkpoint}"
         )
     stop_ids = {eos_id, *generation_config_eos_ids(checkpoint)}
-    model = load_checkpoint_model(checkpoint, device)
+    model = load_checkpoint_model(checkpoint, device, model_config)
     generator = torch.Generator().manual_seed(seed)
     new = []
     with torch.no_grad():
