@@ -242,6 +242,34 @@ def test_a_shard_that_disagrees_with_the_manifest_is_refused_naming_it(tmp_path)
     assert TokenDataset(corpora["new"], 4).num_samples > 0
 
 
+def test_a_corpus_directory_s_manifest_is_read_once_to_list_and_check_its_shards(
+    corpus, monkeypatch
+):
+    # The shard counts were checked against a second read of the manifest the shard
+    # listing had just read.
+    import mt_data.corpus
+    from mt_data.corpus import PackedCorpus
+
+    data_dir, _ = corpus
+    shards = [{"name": "a", "documents": 3}, {"name": "b", "documents": 0}, {"name": "c"}]
+    (data_dir / "manifest.json").write_text(json.dumps({"shards": shards}))
+    reads = []
+    read_manifest = mt_data.corpus.read_manifest
+
+    def counting_read_manifest(directory):
+        reads.append(directory)
+        return read_manifest(directory)
+
+    monkeypatch.setattr(mt_data.corpus, "read_manifest", counting_read_manifest)
+    assert [s.idx_path.stem for s in PackedCorpus([data_dir], SEQ_LEN).shards] == ["a", "b", "c"]
+    assert reads == [data_dir]
+    # A shard prefix's directory was listed by no manifest read: its counts are still checked.
+    shards[0]["documents"] = 4
+    (data_dir / "manifest.json").write_text(json.dumps({"shards": shards}))
+    with pytest.raises(ValueError, match="lists 4 documents"):
+        PackedCorpus([data_dir / "a"], SEQ_LEN)
+
+
 def test_a_state_of_a_corpus_rebuilt_since_with_as_many_samples_is_refused(corpus):
     data_dir, stream = corpus
     dataset = TokenDataset(data_dir, SEQ_LEN, seed=2)

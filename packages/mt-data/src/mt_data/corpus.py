@@ -37,11 +37,11 @@ __all__ = ["PackedCorpus", "resolve_shards"]
 _CHECK_CHUNK = 1 << 20
 
 
-def _directory_shards(path: Path) -> list[Path]:
-    """A directory's shard prefixes, sorted by name: those its manifest.json lists (an
-    mt-data corpus; other `*.idx` there are named in a warning), else every `*.idx` (a
-    Megatron directory, or a hand-written manifest that lists no shards)."""
-    manifest = read_manifest(path)
+def _directory_shards(path: Path, manifest: dict[str, Any] | None) -> list[Path]:
+    """A directory's shard prefixes, sorted by name: those its manifest.json (`manifest`,
+    None where it has none) lists (an mt-data corpus; other `*.idx` there are named in a
+    warning), else every `*.idx` (a Megatron directory, or a hand-written manifest that
+    lists no shards)."""
     if manifest is None and (path / RECORD_DIR).is_dir():
         raise ValueError(
             f"data path {path}: an mt-data build into it has not finished (no "
@@ -89,11 +89,21 @@ def resolve_shards(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
             shard's `.bin` is missing, or a directory's mt-data build is unfinished or
             lists missing shards.
     """
+    return _resolve_shards(paths)[0]
+
+
+def _resolve_shards(
+    paths: Sequence[str | os.PathLike[str]],
+) -> tuple[list[Path], dict[Path, dict[str, Any] | None]]:
+    """`resolve_shards`, and the manifest.json it read of each directory (None: it has none),
+    so that `_check_manifest_counts` need not read them again."""
     prefixes: list[Path] = []
+    manifests: dict[Path, dict[str, Any] | None] = {}
     for item in paths:
         path = Path(item).expanduser()
         if path.is_dir():
-            found = _directory_shards(path)
+            manifests[path] = read_manifest(path)
+            found = _directory_shards(path, manifests[path])
             # `.tmp`, or `.<pid>-<random>.tmp` from a build without flock
             partial = [] if found else sorted(p.name for p in path.glob("*.idx*.tmp"))
             if not found and partial:  # a first build killed before any shard was done
@@ -125,18 +135,22 @@ def resolve_shards(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
                 f"shard {prefix}.idx has no {prefix.name}.bin beside it (an incomplete copy?); "
                 "copy the .bin too or rebuild the corpus"
             )
-    return prefixes
+    return prefixes, manifests
 
 
-def _check_manifest_counts(shards: Sequence[IndexedDataset]) -> None:
+def _check_manifest_counts(
+    shards: Sequence[IndexedDataset], read: dict[Path, dict[str, Any] | None]
+) -> None:
     """Raise if a shard's documents, tokens or dtype differ from what its directory's
     manifest.json lists for it (a shard of another build copied in, say): the manifest's
-    vocabulary and EOS would then describe tokens it did not write."""
+    vocabulary and EOS would then describe tokens it did not write. `read` holds the
+    manifests `_resolve_shards` read (a directory's); the others (a shard prefix's
+    directory) are read here."""
     manifests: dict[Path, dict[str, Any]] = {}
     for shard in shards:
         directory = shard.idx_path.parent
         if directory not in manifests:
-            manifest = read_manifest(directory) or {}
+            manifest = (read[directory] if directory in read else read_manifest(directory)) or {}
             listed = manifest.get("shards")
             entries = listed if isinstance(listed, list) else []
             manifests[directory] = {
@@ -183,8 +197,9 @@ class PackedCorpus:
 
     def __init__(self, paths: Sequence[str | os.PathLike[str]], seq_len: int) -> None:
         self.seq_len = seq_len
-        self.shards = [IndexedDataset(p) for p in resolve_shards(paths)]
-        _check_manifest_counts(self.shards)
+        prefixes, manifests = _resolve_shards(paths)
+        self.shards = [IndexedDataset(p) for p in prefixes]
+        _check_manifest_counts(self.shards, manifests)
         self._streams = [self._token_stream(shard) for shard in self.shards]
         lengths = np.array([len(s) for s in self._streams], dtype=np.int64)
         # shard_starts[i]: position of shard i's first token in the stream; [-1] = total.
