@@ -68,6 +68,29 @@ def test_eos_named_by_both_files_is_the_one_transformers_takes(tmp_path, tokeniz
     assert reference.eos_token == eos
 
 
+def test_a_load_reads_tokenizer_config_json_once_for_both_eos_and_bos(tmp_path, monkeypatch):
+    # It was parsed four times: for the added_tokens_decoder check and the token, for each
+    # of the EOS and the BOS.
+    config = {"eos_token": "<eot>", "bos_token": "<s>", "added_tokens_decoder": {}}
+    directory = _tokenizer_dir(
+        tmp_path / "tok", tokenizer_config=config, special_tokens_map={"eos_token": "<s>"}
+    )
+    reads = []
+    read_text = Path.read_text
+
+    def counting_read_text(self, *args, **kwargs):
+        reads.append(self.name)
+        return read_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", counting_read_text)
+    loaded = load_tokenizer(directory, bos=True)
+    assert (loaded.eos_token, loaded.bos_token) == ("<eot>", "<s>")
+    assert reads.count("tokenizer_config.json") == 1, reads
+    assert "special_tokens_map.json" not in reads  # transformers >= 4.34's files: not read
+    load_tokenizer(directory, bos=True)  # a new load reads the files again
+    assert reads.count("tokenizer_config.json") == 2, reads
+
+
 def test_eos_missing_from_tokenizer_config_falls_back_to_a_known_token_in_the_vocabulary(
     tmp_path,
 ):

@@ -102,24 +102,30 @@ class LoadedTokenizer:
         return [encoding.ids for encoding in encodings]
 
 
-def _read_config(config_path: Path) -> dict:
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{config_path}: cannot read it as JSON ({e}); fix or remove it") from e
-    return config if isinstance(config, dict) else {}
+def _read_config(config_path: Path, parsed: dict[Path, dict]) -> dict:
+    """The JSON object in `config_path` ({} for another JSON value), parsed once per load:
+    `parsed` holds the files this load has parsed already."""
+    if config_path not in parsed:
+        try:
+            config = json.loads(config_path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(
+                f"{config_path}: cannot read it as JSON ({e}); fix or remove it"
+            ) from e
+        parsed[config_path] = config if isinstance(config, dict) else {}
+    return parsed[config_path]
 
 
-def _token_from_config(config_path: Path, key: str) -> str | None:
-    token = _read_config(config_path).get(key)
+def _token_from_config(config_path: Path, key: str, parsed: dict[Path, dict]) -> str | None:
+    token = _read_config(config_path, parsed).get(key)
     if isinstance(token, dict):  # the AddedToken form: {"content": "</s>", ...}
         token = token.get("content")
     return token if isinstance(token, str) and token else None
 
 
-def _special_token(file: Path, key: str) -> tuple[str | None, str]:
+def _special_token(file: Path, key: str, parsed: dict[Path, dict]) -> tuple[str | None, str]:
     """`key` (`eos_token`, `bos_token`) from the files beside `file` that may name it:
-    (token, that file), or (None, what was looked at).
+    (token, that file), or (None, what was looked at). `parsed`: see `_read_config`.
 
     The first that names it, in transformers' precedence: a tokenizer_config.json with
     `added_tokens_decoder` (saved by transformers >= 4.34, which then does not read
@@ -127,14 +133,14 @@ def _special_token(file: Path, key: str) -> tuple[str | None, str]:
     tokens override tokenizer_config.json's).
     """
     config_path = file.parent / SPECIAL_TOKEN_FILES[0]
-    modern = config_path.is_file() and "added_tokens_decoder" in _read_config(config_path)
+    modern = config_path.is_file() and "added_tokens_decoder" in _read_config(config_path, parsed)
     looked = {}
     for name in SPECIAL_TOKEN_FILES if modern else SPECIAL_TOKEN_FILES[::-1]:
         path = file.parent / name
         if not path.is_file():
             looked[name] = f"there is no {name}"
             continue
-        token = _token_from_config(path, key)
+        token = _token_from_config(path, key, parsed)
         if token is not None:
             return token, str(path)
         looked[name] = f"{path} names no {key!r}"
@@ -206,10 +212,11 @@ def load_tokenizer(
     # 512, pad to the batch's longest): documents would be cut short or padded, silently.
     tokenizer.no_truncation()
     tokenizer.no_padding()
+    parsed: dict[Path, dict] = {}  # tokenizer_config.json is read for the EOS and the BOS
     if eos_token is not None:
         source = "the eos_token argument"
     else:
-        eos_token, source = _special_token(file, "eos_token")
+        eos_token, source = _special_token(file, "eos_token", parsed)
     if eos_token is None:
         vocab = tokenizer.get_vocab(with_added_tokens=True)
         eos_token = next((t for t in FALLBACK_EOS_TOKENS if t in vocab), None)
@@ -227,7 +234,7 @@ def load_tokenizer(
             f"EOS token {eos_token!r} (from {source}) is not in the vocabulary of {file}; "
             "pass the token that ends a document as --eos-token TOKEN (eos_token= in Python)"
         )
-    bos_token, bos_id = _resolve_bos(tokenizer, file, bos)
+    bos_token, bos_id = _resolve_bos(tokenizer, file, bos, parsed)
     return LoadedTokenizer(
         tokenizer=tokenizer,
         path=file,
@@ -246,12 +253,12 @@ def _vocab_size(tokenizer: Tokenizer) -> int:
 
 
 def _resolve_bos(
-    tokenizer: Tokenizer, file: Path, bos: bool | str
+    tokenizer: Tokenizer, file: Path, bos: bool | str, parsed: dict[Path, dict]
 ) -> tuple[str | None, int | None]:
     if bos is False:
         return None, None
     if bos is True:
-        token, looked = _special_token(file, "bos_token")
+        token, looked = _special_token(file, "bos_token", parsed)
         if token is None:
             raise ValueError(
                 f"bos=True (--bos) takes 'bos_token' from {' or '.join(SPECIAL_TOKEN_FILES)} "
