@@ -309,11 +309,19 @@ def test_model_swaps_refuse_a_root_layer_they_cannot_replace_in_place():
     from mt_ops.deferred_wgrad import make_weight_grads_deferrable
 
     linear = nn.Linear(128, 256)
-    with pytest.raises(ValueError, match=r"model is itself a Linear .*FP8Linear\.from_linear"):
+    with pytest.raises(
+        ValueError,
+        match=r"model is itself a Linear \(in_features 128, out_features 256\), which "
+        r"convert_to_fp8 cannot .*use FP8Linear\.from_linear\(model\)",
+    ):
         convert_to_fp8(linear)
     with pytest.raises(ValueError, match=r"itself a GroupedLinear .*from_grouped_linear"):
         convert_to_fp8(_grouped())
-    with pytest.raises(ValueError, match=r"model is itself a Linear .*Linear\.from_linear"):
+    with pytest.raises(
+        ValueError,
+        match=r"model is itself a Linear .*make_weight_grads_deferrable cannot .*use "
+        r"Linear\.from_linear\(model\)",
+    ):
         make_weight_grads_deferrable(linear)
     assert type(linear) is nn.Linear
     # A root the filter leaves out, or one already converted, is no error.

@@ -8,6 +8,7 @@ buffers or parameters, a parametrization) is refused by name rather than dropped
 """
 
 import weakref
+from typing import NoReturn
 
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -50,6 +51,25 @@ def check_swappable(module: nn.Module, converter: str, fqn: str | None = None) -
             "would drop; leave this layer out of the swap (module_filter_fn for convert_to_fp8) "
             "or remove that state first (parametrize.remove_parametrizations)"
         )
+
+
+def refuse_root_layer(model: nn.Module, converter: str, swap: str) -> NoReturn:
+    """Raises the ValueError of a model-wide swap handed the layer itself.
+
+    Such a swap replaces children in place, so a model that is itself the layer would come
+    back as it was (``convert_to_fp8`` returned the ``nn.Linear`` unconverted,
+    ``make_weight_grads_deferrable`` returned 0).
+
+    Args:
+        model: The layer passed as the model.
+        converter: The model-wide swap that refuses it (``"convert_to_fp8"``).
+        swap: The one-layer swap to use instead (``"FP8Linear.from_linear"``).
+    """
+    raise ValueError(
+        f"model is itself a {type(model).__name__} (in_features {model.in_features}, "
+        f"out_features {model.out_features}), which {converter} cannot replace in place; "
+        f"use {swap}(model), or pass the module that holds it to {converter}"
+    )
 
 
 def carry_module_state(new: nn.Module, old: nn.Module) -> None:

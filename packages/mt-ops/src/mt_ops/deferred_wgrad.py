@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
 from mt_ops._dtypes import autocast_dtype
-from mt_ops._swap import carry_module_state, check_swappable
+from mt_ops._swap import carry_module_state, check_swappable, refuse_root_layer
 
 __all__ = [
     "Linear",
@@ -231,12 +231,7 @@ def make_weight_grads_deferrable(model: nn.Module) -> int:
         The number of modules swapped.
     """
     if isinstance(model, nn.Linear) and not isinstance(model, Linear):
-        # Only children are swapped: the layer itself would come back unchanged.
-        raise ValueError(
-            f"model is itself a {type(model).__name__} (in_features {model.in_features}, "
-            f"out_features {model.out_features}), which make_weight_grads_deferrable cannot "
-            "replace in place; use Linear.from_linear(model), or pass the module that holds it"
-        )
+        refuse_root_layer(model, "make_weight_grads_deferrable", "Linear.from_linear")
     swaps = []  # (parent, attribute name, layer); all checked before the first swap
     for fqn, module in model.named_modules():
         for name, child in module.named_children():

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from mt_ops._dtypes import autocast_dtype
-from mt_ops._swap import carry_module_state, check_swappable
+from mt_ops._swap import carry_module_state, check_swappable, refuse_root_layer
 from mt_ops.deferred_wgrad import WeightGradQueue, weight_grad_or_defer
 from mt_ops.fp8_gemm import BACKENDS, fp8_grouped_gemm, fp8_grouped_wgrad
 from mt_ops.fp8_quant import (
@@ -450,14 +450,9 @@ def convert_to_fp8(
     kwargs = {"weight_cache": weight_cache, "backend": backend, "scale_format": scale_format}
     root_layer = isinstance(model, nn.Linear | GroupedLinear)
     if root_layer and not isinstance(model, FP8Linear | FP8GroupedLinear) and keep(model, ""):
-        # Only children are swapped: the layer itself would come back unconverted.
         linear = isinstance(model, nn.Linear)
         swap = "FP8Linear.from_linear" if linear else "FP8GroupedLinear.from_grouped_linear"
-        raise ValueError(
-            f"model is itself a {type(model).__name__} (in_features {model.in_features}, "
-            f"out_features {model.out_features}), which convert_to_fp8 cannot replace in "
-            f"place; use {swap}(model), or convert the module that holds it"
-        )
+        refuse_root_layer(model, "convert_to_fp8", swap)
     # Every selected layer is checked before the first swap: a refusal leaves the model as
     # it was, not half converted.
     swaps = []  # (parent, attribute name, layer)
