@@ -1,5 +1,7 @@
 """Grouped linear. Legend: R routed rows, D input dim, O output dim, E experts."""
 
+import importlib
+
 import pytest
 import torch
 
@@ -53,6 +55,28 @@ def test_grouped_linear_rejects_counts_not_summing_to_rows():
     x_RD, w_EOD, _ = _inputs([2, 2], 8, 4, torch.float32)
     with pytest.raises(ValueError, match="sums to 5"):
         grouped_linear(x_RD, w_EOD, torch.tensor([2, 3]))
+
+
+@pytest.mark.parametrize("fn", [grouped_linear, grouped_linear_reference])
+def test_host_counts_are_checked_once_for_a_forward_and_its_backward(fn, monkeypatch):
+    # grouped_linear checked them five times (the entry check, the forward's split, then the
+    # input gradient's and both weight-gradient splits in the backward); the reference twice.
+    module = importlib.import_module("mt_ops.grouped_linear")  # mt_ops.grouped_linear: the op
+    calls = []
+    check_counts = module.check_counts
+
+    def counting_check_counts(counts, num_rows):
+        calls.append((counts, num_rows))
+        check_counts(counts, num_rows)
+
+    monkeypatch.setattr(module, "check_counts", counting_check_counts)
+    x_RD, w_EOD, counts_E = _inputs([3, 0, 5, 1], 16, 24, torch.float32)
+    x_RD.requires_grad_(True)
+    w_EOD.requires_grad_(True)
+    bias_EO = torch.randn(4, 24, requires_grad=True)
+    fn(x_RD, w_EOD, counts_E, bias_EO).sum().backward()
+    assert calls == [([3, 0, 5, 1], 9)]
+    assert x_RD.grad.abs().sum() > 0 and w_EOD.grad[2].abs().sum() > 0
 
 
 @pytest.mark.parametrize("count_dtype", [torch.int16, torch.uint8, torch.int32])

@@ -38,9 +38,10 @@ def _check_shapes(
     tokens_per_expert_E: Tensor,
     bias_EO: Tensor | None = None,
     num_rows: int | None = None,
-) -> None:
+) -> list[int] | None:
     """Shapes, count dtype and (host counts only) their values; ``num_rows`` is what the
-    counts sum to when x holds tokens rather than the routed rows (default R of x)."""
+    counts sum to when x holds tokens rather than the routed rows (default R of x).
+    Returns the host counts it checked, as a list; None for device counts."""
     if x_RD.dim() != 2 or w_EOD.dim() != 3 or x_RD.shape[1] != w_EOD.shape[2]:
         raise ValueError(
             f"x shape ({tuple(x_RD.shape)}) and w shape ({tuple(w_EOD.shape)}) must be "
@@ -65,16 +66,21 @@ def _check_shapes(
         # Host counts cost no sync to check; device counts stay unchecked (the grouped GEMMs
         # read them on the device, and a check would stall the stream every call).
         rows = x_RD.shape[0] if num_rows is None else num_rows
-        check_counts(tokens_per_expert_E.tolist(), rows)
+        counts = tokens_per_expert_E.tolist()
+        check_counts(counts, rows)
+        return counts
+    return None
 
 
 def _check(
     x_RD: Tensor, w_EOD: Tensor, tokens_per_expert_E: Tensor, bias_EO: Tensor | None
-) -> None:
-    _check_shapes(x_RD, w_EOD, tokens_per_expert_E, bias_EO)
+) -> list[int] | None:
+    """`_check_shapes` (its return value) and, outside autocast, one dtype for all."""
+    counts = _check_shapes(x_RD, w_EOD, tokens_per_expert_E, bias_EO)
     # Under autocast grouped_linear casts x and w to the autocast dtype and the bias to the
     # output's, so only calls outside autocast need matching dtypes.
     check_same_dtype(("w", w_EOD), ("x", x_RD), ("bias", bias_EO))
+    return counts
 
 
 def _wide_counts(tokens_per_expert_E: Tensor) -> Tensor:
@@ -100,38 +106,53 @@ def _offsets(tokens_per_expert_E: Tensor) -> Tensor:
     return torch.cumsum(tokens_per_expert_E, dim=0).to(torch.int32)  # [E], row ends
 
 
-def _host_counts(tokens_per_expert_E: Tensor, num_rows: int) -> list[int]:
-    counts = tokens_per_expert_E.tolist()  # host sync: the loop needs the split sizes
-    check_counts(counts, num_rows)
-    return counts
+class _SplitSizes:
+    """The counts as a list, for the per-expert loops: read from the device (a host sync)
+    and checked at most once per op, however many loops (forward, input and weight
+    gradients) split by them; host counts come already checked by `_check_shapes`."""
+
+    def __init__(self, tokens_per_expert_E: Tensor, num_rows: int, checked: list[int] | None):
+        self._counts_E = tokens_per_expert_E
+        self._num_rows = num_rows
+        self._list = checked
+
+    def get(self) -> list[int]:
+        """The counts, read and checked on the first call when on the device."""
+        if self._list is None:
+            counts = self._counts_E.tolist()  # host sync: the loop needs the split sizes
+            check_counts(counts, self._num_rows)
+            self._list = counts
+        return self._list
 
 
-def _split(t_RX: Tensor, tokens_per_expert_E: Tensor) -> tuple[Tensor, ...]:
-    return torch.split(t_RX, _host_counts(tokens_per_expert_E, t_RX.shape[0]), dim=0)
-
-
-def _forward(x_RD: Tensor, w_EOD: Tensor, tokens_per_expert_E: Tensor) -> Tensor:
+def _forward(
+    x_RD: Tensor, w_EOD: Tensor, tokens_per_expert_E: Tensor, sizes: _SplitSizes
+) -> Tensor:
     if _use_grouped_mm(x_RD, w_EOD):
         offs = _offsets(tokens_per_expert_E)
         return torch._grouped_mm(x_RD, w_EOD.transpose(-2, -1), offs=offs)  # [R, O]
-    pieces = [x_e @ w_EOD[e].T for e, x_e in enumerate(_split(x_RD, tokens_per_expert_E))]
+    pieces = [x_e @ w_EOD[e].T for e, x_e in enumerate(torch.split(x_RD, sizes.get()))]
     return torch.cat(pieces) if pieces else x_RD.new_zeros(x_RD.shape[0], w_EOD.shape[1])
 
 
-def _input_grad(dy_RO: Tensor, w_EOD: Tensor, tokens_per_expert_E: Tensor) -> Tensor:
+def _input_grad(
+    dy_RO: Tensor, w_EOD: Tensor, tokens_per_expert_E: Tensor, sizes: _SplitSizes
+) -> Tensor:
     if _use_grouped_mm(dy_RO, w_EOD) and w_EOD.shape[2] % _GROUPED_MM_ALIGN == 0:
         return torch._grouped_mm(dy_RO, w_EOD, offs=_offsets(tokens_per_expert_E))  # [R, D]
-    pieces = [g_e @ w_EOD[e] for e, g_e in enumerate(_split(dy_RO, tokens_per_expert_E))]
+    pieces = [g_e @ w_EOD[e] for e, g_e in enumerate(torch.split(dy_RO, sizes.get()))]
     return torch.cat(pieces) if pieces else dy_RO.new_zeros(dy_RO.shape[0], w_EOD.shape[2])
 
 
-def _weight_grad(dy_RO: Tensor, x_RD: Tensor, tokens_per_expert_E: Tensor, w_EOD: Tensor) -> Tensor:
+def _weight_grad(
+    dy_RO: Tensor, x_RD: Tensor, tokens_per_expert_E: Tensor, w_EOD: Tensor, sizes: _SplitSizes
+) -> Tensor:
     if _use_grouped_mm(x_RD, w_EOD) and dy_RO.shape[1] % _GROUPED_MM_ALIGN == 0:
         # Grouped over the contraction dim: dW[e] = dy[rows of e]ᵀ @ x[rows of e].
         offs = _offsets(tokens_per_expert_E)
         return torch._grouped_mm(dy_RO.T, x_RD, offs=offs)  # [E, O, D]
     grad_EOD = torch.zeros(w_EOD.shape, dtype=dy_RO.dtype, device=dy_RO.device)
-    pairs = zip(_split(dy_RO, tokens_per_expert_E), _split(x_RD, tokens_per_expert_E), strict=True)
+    pairs = zip(torch.split(dy_RO, sizes.get()), torch.split(x_RD, sizes.get()), strict=True)
     for e, (g_e, x_e) in enumerate(pairs):
         if g_e.shape[0]:
             grad_EOD[e] = g_e.T @ x_e
@@ -163,8 +184,8 @@ def segment_sum(t_RO: Tensor, tokens_per_expert_E: Tensor) -> Tensor:
 
 class _GroupedLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_RD, w_EOD, tokens_per_expert_E, bias_EO, queue, param):
-        y_RO = _forward(x_RD, w_EOD, tokens_per_expert_E)
+    def forward(ctx, x_RD, w_EOD, tokens_per_expert_E, bias_EO, queue, param, sizes):
+        y_RO = _forward(x_RD, w_EOD, tokens_per_expert_E, sizes)
         if bias_EO is not None:
             bias_RO = bias_EO.repeat_interleave(
                 tokens_per_expert_E, dim=0, output_size=x_RD.shape[0]
@@ -174,22 +195,28 @@ class _GroupedLinearFn(torch.autograd.Function):
         ctx.bias_dtype = None if bias_EO is None else bias_EO.dtype
         ctx.queue = queue
         ctx.weight_param = param  # the leaf parameter (w_EOD may be its autocast copy)
+        ctx.sizes = sizes  # the backward splits by the counts the forward read (saved above)
         return y_RO
 
     @staticmethod
     def backward(ctx, dy_RO):
         x_RD, w_EOD, counts_E = ctx.saved_tensors
         dy_RO = dy_RO.contiguous()
-        grad_x = _input_grad(dy_RO, w_EOD, counts_E) if ctx.needs_input_grad[0] else None
+        sizes = ctx.sizes
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _input_grad(dy_RO, w_EOD, counts_E, sizes)
         grad_w = None
         if ctx.needs_input_grad[1]:
             grad_w = weight_grad_or_defer(
-                ctx.weight_param, ctx.queue, lambda: _weight_grad(dy_RO, x_RD, counts_E, w_EOD)
+                ctx.weight_param,
+                ctx.queue,
+                lambda: _weight_grad(dy_RO, x_RD, counts_E, w_EOD, sizes),
             )
         grad_b = None
         if ctx.bias_dtype is not None and ctx.needs_input_grad[3]:
             grad_b = segment_sum(dy_RO, counts_E).to(ctx.bias_dtype)
-        return grad_x, grad_w, None, grad_b, None, None
+        return grad_x, grad_w, None, grad_b, None, None, None
 
 
 def grouped_linear(
@@ -214,7 +241,8 @@ def grouped_linear(
     Returns:
         ``y`` [R, O] in the dtype of ``x_RD`` (the autocast dtype under autocast).
     """
-    _check(x_RD, w_EOD, tokens_per_expert_E, bias_EO)
+    checked = _check(x_RD, w_EOD, tokens_per_expert_E, bias_EO)
+    sizes = _SplitSizes(tokens_per_expert_E, x_RD.shape[0], checked)
     tokens_per_expert_E = _wide_counts(tokens_per_expert_E)
     param = w_EOD
     dtype = autocast_dtype(x_RD.device)
@@ -222,7 +250,9 @@ def grouped_linear(
         # A custom Function sees no autocast: compute in the autocast dtype explicitly, as
         # nn.Linear would, and let autograd cast the gradient back to the parameter dtype.
         x_RD, w_EOD = x_RD.to(dtype), w_EOD.to(dtype)
-    return _GroupedLinearFn.apply(x_RD, w_EOD, tokens_per_expert_E, bias_EO, wgrad_queue, param)
+    return _GroupedLinearFn.apply(
+        x_RD, w_EOD, tokens_per_expert_E, bias_EO, wgrad_queue, param, sizes
+    )
 
 
 class GroupedLinear(nn.Module):
@@ -281,8 +311,8 @@ def grouped_linear_reference(
     Returns:
         ``y`` [R, O] in the dtype of ``x_RD`` (the autocast dtype under autocast).
     """
-    _check(x_RD, w_EOD, tokens_per_expert_E, bias_EO)
-    counts = _host_counts(tokens_per_expert_E, x_RD.shape[0])
+    checked = _check(x_RD, w_EOD, tokens_per_expert_E, bias_EO)
+    counts = _SplitSizes(tokens_per_expert_E, x_RD.shape[0], checked).get()
     pieces = []
     for e, x_e in enumerate(torch.split(x_RD, counts, dim=0)):
         y_e = x_e @ w_EOD[e].T  # [count_e, O], the autocast dtype under autocast
