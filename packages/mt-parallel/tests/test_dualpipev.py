@@ -33,15 +33,21 @@ def _flat(action):
     return [action]
 
 
+def _parts(action, rank, pp):
+    """(kind, stage, micro-batch) of each F, B and W the action runs."""
+    kinds = {Forward: "F", BackwardInput: "B", BackwardWeight: "W", Backward: "BW"}
+    for a in _flat(action):
+        stage = rank if a.chunk == 0 else 2 * pp - 1 - rank  # the V
+        yield from ((kind, stage, a.micro_batch) for kind in kinds[type(a)])
+
+
 @pytest.mark.parametrize("pp,m", GRID)
 def test_every_stage_runs_each_micro_batch_forward_backward_and_weight_once(pp, m):
     runs = {}  # (kind, stage, micro-batch) -> ranks that run it
     for rank, actions in enumerate(dualpipev_schedule(pp, m)):
-        for action in itertools.chain.from_iterable(map(_flat, actions)):
-            stage = rank if action.chunk == 0 else 2 * pp - 1 - rank  # the V
-            kinds = {Forward: "F", BackwardInput: "B", BackwardWeight: "W", Backward: "BW"}
-            for kind in kinds[type(action)]:
-                runs.setdefault((kind, stage, action.micro_batch), []).append(rank)
+        for action in actions:
+            for part in _parts(action, rank, pp):
+                runs.setdefault(part, []).append(rank)
     expected = {(k, s, mb) for k in "FBW" for s in range(2 * pp) for mb in range(m)}
     assert set(runs) == expected
     for (kind, stage, mb), ranks in runs.items():
@@ -82,6 +88,32 @@ def test_bubble_is_deepseeks_when_forward_backward_and_weight_take_equal_time(pp
             assert sim.idle == pytest.approx([bubble] * pp)
             assert sim.makespan == pytest.approx(6 * m * t + bubble)
             assert sim.bubble_fraction == pytest.approx(bubble / (6 * m * t + bubble))
+
+
+@pytest.mark.parametrize("pp,m", GRID)
+def test_simulated_ranks_run_one_action_at_a_time_after_the_data_they_need(pp, m):
+    costs = {"forward": 1.0, "backward": 1.7, "weight": 0.6, "overlapped": 2.9, "transfer": 0.3}
+    sim = simulate(dualpipev_schedule(pp, m), pp, **costs)
+    done = {}  # (kind, stage, micro-batch) -> (rank, end time)
+    for rank, timeline in enumerate(sim.timelines):
+        assert timeline[0].start >= 0
+        assert all(b.start >= a.end for a, b in itertools.pairwise(timeline))
+        done.update((p, (rank, s.end)) for s in timeline for p in _parts(s.action, rank, pp))
+    for rank, timeline in enumerate(sim.timelines):
+        for slot in timeline:
+            for kind, stage, mb in _parts(slot.action, rank, pp):
+                if kind == "F":
+                    needs = [("F", stage - 1, mb)] if stage > 0 else []
+                elif kind == "B":
+                    needs = [("F", stage, mb)] + [("B", stage + 1, mb)] * (stage < 2 * pp - 1)
+                else:  # W: after its B, at the latest together with it (a full backward)
+                    assert done["B", stage, mb][1] <= slot.end
+                    continue
+                for need in needs:
+                    source, end = done[need]
+                    delay = costs["transfer"] if source != rank else 0.0
+                    assert slot.start >= end + delay - 1e-9, (rank, slot, need)
+    assert sim.makespan == max(timeline[-1].end for timeline in sim.timelines)
 
 
 @pytest.mark.parametrize("pp,m", GRID)
