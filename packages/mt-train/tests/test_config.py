@@ -59,7 +59,7 @@ def test_bad_values_fail_validation_with_the_rule():
                       ("training.beta2=1.5", "must be in .0, 1."),
                       ("training.num_threads=-3", "training.num_threads .-3. .* must be >= 0"),
                       ("parallel.grad_reduce=never", "parallel.grad_reduce"),
-                      ("parallel.pp=2", "needs a pipeline schedule"),
+                      ("parallel.pp=2", "needs a pipeline executor"),
                       ("training.grad_clip=nan", r"training.grad_clip \(nan\) must be >= 0"),
                       ("parallel.timeout_s=nan", r"parallel.timeout_s \(nan\) must be finite"),
                       ("parallel.timeout_s=inf", r"parallel.timeout_s \(inf\) must be finite"),
