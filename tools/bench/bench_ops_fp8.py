@@ -440,7 +440,7 @@ def expert_mlp(name: str, num_tokens: int, skewed: bool) -> None:
     config["bwd_fused"] = not config["bwd_fused"]
     ms_other = bench_ms(lambda: fused_step(fp8))  # the other SwiGLU-backward choice
     config["bwd_fused"] = not config["bwd_fused"]
-    if name == "qwen3-30b-a3b" and not skewed and PROFILE:
+    if not skewed and PROFILE:
         for label, fn in (("modules", step), ("fused", fused_step)):
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 fn(fp8)
