@@ -60,7 +60,7 @@ def test_bad_values_fail_validation_with_the_rule():
                       ("training.num_threads=-3", "training.num_threads .-3. .* must be >= 0"),
                       ("parallel.grad_reduce=never", "parallel.grad_reduce"),
                       ("parallel.pp=2", "needs a pipeline executor"),
-                      ("training.grad_clip=nan", r"training.grad_clip \(nan\) must be >= 0"),
+                      ("training.grad_clip=nan", r"training.grad_clip \(nan\) finite and >= 0"),
                       ("parallel.timeout_s=nan", r"parallel.timeout_s \(nan\) must be finite"),
                       ("parallel.timeout_s=inf", r"parallel.timeout_s \(inf\) must be finite"),
                       ("seed=-1", r"^seed \(-1\) must be >= 0")):  # fmt: skip
@@ -322,3 +322,40 @@ def test_every_option_has_help_stating_its_default_and_is_in_the_module_docstrin
     assert {"--top-p", "--seed", "--device", "--max-new-tokens", "--max-shard-size"} <= set(
         checked
     )
+
+
+@pytest.mark.parametrize(
+    ("recipe", "override", "key"),
+    [
+        ("debug", "model.rms_norm_eps=nan", "model.rms_norm_eps"),
+        ("debug", "model.rope_theta=inf", "model.rope_theta"),
+        ("debug", "model.router_aux_loss_coef=nan", "model.router_aux_loss_coef"),
+        ("debug", "model.router_z_loss_coef=inf", "model.router_z_loss_coef"),
+        ("debug", "model.initializer_range=nan", "model.initializer_range"),
+        ("debug-gpt-oss", "model.rope_scaling.beta_fast=inf", "model.rope_scaling.beta_fast"),
+        ("debug-deepseek-v2", "model.routed_scaling_factor=nan", "model.routed_scaling_factor"),
+    ],
+)
+def test_a_nan_or_infinite_number_anywhere_in_the_config_is_refused_naming_its_key(
+    recipe, override, key, capsys
+):
+    # Each would train on NaN (or silently change the model) and print Infinity/NaN, which
+    # is no JSON, into config.json and every checkpoint's train_state.json.
+    value = override.partition("=")[2]
+    with pytest.raises(ValueError, match=rf"^{key} \({value}\) must be a finite number"):
+        resolve_config(get_recipe(recipe), overrides=[override])
+    assert main(["pretrain", recipe, override, "--print-config"]) == 2
+    assert capsys.readouterr().out == ""
+
+
+def test_grad_clip_inf_is_refused_pointing_at_0_which_disables_clipping(capsys):
+    with pytest.raises(ValueError, match=r"training.grad_clip \(inf\) .*0 disables clipping"):
+        resolve_config(get_recipe("debug"), overrides=["training.grad_clip=inf"])
+    assert main(["pretrain", "debug", "training.grad_clip=0", "--print-config"]) == 0
+    json.loads(capsys.readouterr().out, parse_constant=pytest.fail)  # plain JSON
+
+
+def test_print_config_is_plain_json_that_a_strict_reader_accepts(capsys):
+    for recipe in RECIPES:
+        assert main(["pretrain", recipe, "--print-config"]) == 0
+        json.loads(capsys.readouterr().out, parse_constant=pytest.fail)

@@ -131,10 +131,10 @@ class TrainingConfig:
                 f"training.num_threads ({self.num_threads}) and training.weight_decay "
                 f"({self.weight_decay}) must be >= 0 (num_threads 0: PyTorch's default)"
             )
-        if self.warmup_steps < 0 or not 0 <= self.grad_clip <= math.inf:  # NaN fails too
+        if self.warmup_steps < 0 or not 0 <= self.grad_clip < math.inf:  # NaN fails too
             raise ValueError(
-                f"training.warmup_steps ({self.warmup_steps}) and training.grad_clip "
-                f"({self.grad_clip}) must be >= 0"
+                f"training.warmup_steps ({self.warmup_steps}) must be >= 0 and "
+                f"training.grad_clip ({self.grad_clip}) finite and >= 0 (0 disables clipping)"
             )
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(
@@ -367,6 +367,12 @@ class JobConfig:
                 f"model ({type(self.model).__name__}) is not a known model family config; "
                 f"known: {sorted(MODEL_FAMILIES)}"
             )
+        non_finite = _first_non_finite(dataclasses.asdict(self))
+        if non_finite is not None:  # NaN trains on NaN; neither is JSON (config.json)
+            key, value = non_finite
+            raise ValueError(
+                f"{key} ({value}) must be a finite number (NaN and infinity are refused)"
+            )
         if not self.run_dir:  # Path("") is the current directory
             raise ValueError(
                 f"run_dir ({self.run_dir!r}) is empty, which would put checkpoints and "
@@ -421,6 +427,24 @@ class JobConfig:
 
 def _build(cls: type, values: dict[str, Any]) -> Any:
     return cls(**values)
+
+
+def _first_non_finite(data: Any, prefix: str = "") -> tuple[str, float] | None:
+    """The dotted key and value of the first NaN or infinite float in nested plain data
+    (dicts, lists), or None."""
+    if isinstance(data, float):
+        return None if math.isfinite(data) else (prefix, data)
+    if isinstance(data, dict):
+        items = ((f"{prefix}.{k}" if prefix else str(k), v) for k, v in data.items())
+    elif isinstance(data, (list, tuple)):
+        items = ((f"{prefix}[{i}]", v) for i, v in enumerate(data))
+    else:
+        return None
+    for key, value in items:
+        found = _first_non_finite(value, key)
+        if found is not None:
+            return found
+    return None
 
 
 def family_of(model_config: Any) -> str | None:
