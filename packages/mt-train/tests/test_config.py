@@ -359,3 +359,27 @@ def test_print_config_is_plain_json_that_a_strict_reader_accepts(capsys):
     for recipe in RECIPES:
         assert main(["pretrain", recipe, "--print-config"]) == 0
         json.loads(capsys.readouterr().out, parse_constant=pytest.fail)
+
+
+def test_a_value_for_a_whole_section_says_it_is_a_section_not_an_unknown_key(tmp_path):
+    rule = r"^'training' is a section of the config, not one value \(in the command line\); "
+    with pytest.raises(ValueError, match=rule + "set its keys, e.g. training.max_steps="):
+        resolve_config(get_recipe("debug"), overrides=["training=3"])
+    with pytest.raises(ValueError, match=r"^'model' is a section .*e.g. model.vocab_size="):
+        resolve_config(get_recipe("debug"), overrides=['model={"vocab_size": 8}'])
+    path = tmp_path / "c.toml"
+    for text in ("training = 3\n", "[[training]]\nmax_steps = 3\n"):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=rf"^'training' is a section .*in {path}"):
+            resolve_config(get_recipe("debug"), toml_path=path)
+
+
+def test_a_key_below_a_single_value_says_that_value_has_no_keys(tmp_path):
+    with pytest.raises(ValueError, match=r"^unknown config key 'training.max_steps.x' in the "
+                       r"command line: training.max_steps is one value \(150\), not a section; "
+                       r"write training.max_steps=VALUE"):  # fmt: skip
+        resolve_config(get_recipe("debug"), overrides=["training.max_steps.x=3"])
+    path = tmp_path / "c.toml"
+    path.write_text("[training.max_steps]\nx = 3\n")
+    with pytest.raises(ValueError, match=r"training.max_steps is one value \(150\), not a sec"):
+        resolve_config(get_recipe("debug"), toml_path=path)

@@ -47,12 +47,28 @@ def flatten(
     return flat
 
 
-def _unknown_key_error(key: str, known: list[str], where: str) -> ValueError:
+def _unknown_key_error(key: str, known: dict[str, Any], where: str) -> ValueError:
+    """The error for a key that names no settable value: the family key, a whole section
+    (``training=3``), a key below a single value (``training.max_steps.x``), or a typo."""
     if key in _FIXED_KEYS:
         return ValueError(
             f"{key} cannot be set (in {where}): the recipe fixes the model family; start "
             "from a recipe of the family you want (mt-train pretrain --help lists them)"
         )
+    inside = [k for k in known if k.startswith(key + ".")]
+    if inside:
+        return ValueError(
+            f"{key!r} is a section of the config, not one value (in {where}); set its keys, "
+            f"e.g. {inside[0]}=VALUE (--print-config shows them all)"
+        )
+    parts = key.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        above = ".".join(parts[:end])
+        if above in known:
+            return ValueError(
+                f"unknown config key {key!r} in {where}: {above} is one value "
+                f"({known[above]!r}), not a section; write {above}=VALUE"
+            )
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
     if not close:  # match on the last component alone ("max_step" -> training.max_steps)
         by_leaf = {k.rsplit(".", 1)[-1]: k for k in known}
@@ -232,7 +248,7 @@ def _merge_toml(
     none_now = frozenset(k for k, v in known.items() if v is None)
     for key, value in flatten(table, leaves=none_now).items():
         if key not in known or key in _FIXED_KEYS:
-            raise _unknown_key_error(key, list(known), path)
+            raise _unknown_key_error(key, known, path)
         current = known[key]
         if current is None:
             try:
@@ -296,7 +312,7 @@ def resolve_config(
         elif _is_dict_field(declared.get(key)):
             current = _value_at(data, key)  # a dict the recipe sets: replaced whole
         else:
-            raise _unknown_key_error(key, list(known), "the command line")
+            raise _unknown_key_error(key, known, "the command line")
         value = parse_value(text, current, key, declared.get(key, Any))
         _set(data, key, value)
         known = _settable(data)
