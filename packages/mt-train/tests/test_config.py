@@ -383,3 +383,24 @@ def test_a_key_below_a_single_value_says_that_value_has_no_keys(tmp_path):
     path.write_text("[training.max_steps]\nx = 3\n")
     with pytest.raises(ValueError, match=r"training.max_steps is one value \(150\), not a sec"):
         resolve_config(get_recipe("debug"), toml_path=path)
+
+
+def test_help_says_a_toml_table_merges_into_a_dict_but_a_json_override_replaces_it(
+    tmp_path, capsys
+):
+    # TOML cannot tell a table from an inline table, so a dict field takes the keys a TOML
+    # file lists; a JSON object on the command line is the whole new value.
+    path = tmp_path / "c.toml"
+    path.write_text("[model]\nrope_scaling = {rope_type = 'linear', factor = 2.0}\n")
+    from_toml = resolve_config(get_recipe("debug-gpt-oss"), toml_path=path).model.rope_scaling
+    json_override = 'model.rope_scaling={"rope_type": "linear", "factor": 2.0}'
+    from_cli = resolve_config(get_recipe("debug-gpt-oss"), overrides=[json_override])
+    assert from_cli.model.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    assert from_toml["beta_fast"] == get_recipe("debug-gpt-oss").model.rope_scaling["beta_fast"]
+    with pytest.raises(SystemExit):
+        main(["pretrain", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "a TOML table sets only the keys it lists, also in a dict such as" in help_text
+    assert "model.rope_scaling; a JSON object on the command line replaces the dict whole" in (
+        help_text
+    )

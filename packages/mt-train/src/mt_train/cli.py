@@ -27,8 +27,12 @@ overrides use dotted keys, e.g.:
   mt-train pretrain debug training.max_steps=20 run_dir=runs/r
   mt-train pretrain --config my.toml training.lr=1e-3
   mt-train pretrain debug precision.fp8=true  # FP8 GEMMs: GPUs of capability 8.9+, CPU emulates
---print-config shows every key with its value. A run resumes from the newest complete
-checkpoint in its run_dir; a changed config wins over the saved one.
+--print-config shows every key with its value. The command line wins over the TOML
+file; a TOML table sets only the keys it lists, also in a dict such as
+model.rope_scaling; a JSON object on the command line replaces the dict whole
+(model.rope_scaling='{{"rope_type": "linear", "factor": 2.0}}'), null clears it. A run
+resumes from the newest complete checkpoint in its run_dir; a changed config wins over
+the saved one.
 """
 
 

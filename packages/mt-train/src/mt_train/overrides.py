@@ -5,6 +5,11 @@ Both act on the nested-dict form of a `JobConfig`; the result is rebuilt with
 fails with the closest valid key. A value takes the type of the one it replaces; a key
 that is None now (``model.sliding_window``) takes the type its dataclass field declares
 (``int | None``), and ``null`` sets a field that may be None to None.
+
+A dict-valued field (``model.rope_scaling``) takes a TOML table key by key, as a section
+does (TOML does not tell ``[model.rope_scaling]`` from an inline table, and a partial table
+must not drop ``rope_type``); a JSON object on the command line replaces it whole, which is
+how keys are added or removed.
 """
 
 from __future__ import annotations
