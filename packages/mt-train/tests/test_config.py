@@ -404,3 +404,37 @@ def test_help_says_a_toml_table_merges_into_a_dict_but_a_json_override_replaces_
     assert "model.rope_scaling; a JSON object on the command line replaces the dict whole" in (
         help_text
     )
+
+
+@pytest.mark.parametrize(
+    ("recipe", "overrides"),
+    [
+        ("tiny", ["training.max_steps=7", "seed=3", "model.mlp_only_layers=1"]),
+        ("debug-gpt-oss", ['model.rope_scaling={"rope_type": "linear", "factor": 2.0}',
+                           "model.sliding_window=null", "training.lr=0.1"]),  # fmt: skip
+        ("debug-deepseek-v2", ["model.q_lora_rank=null", "data.path=/data/c"]),
+    ],
+)
+def test_a_printed_or_saved_config_json_passed_back_with_config_gives_the_same_config(
+    recipe, overrides, tmp_path, capsys
+):
+    assert main(["pretrain", recipe, *overrides, "--print-config"]) == 0
+    saved = tmp_path / "config.json"  # what --print-config prints and run_dir/config.json holds
+    saved.write_text(capsys.readouterr().out)
+    again = resolve_config(get_recipe(recipe), toml_path=saved)
+    assert json.loads(json.dumps(again.to_dict())) == json.loads(saved.read_text())
+    assert main(["pretrain", recipe, "--config", str(saved), "--print-config"]) == 0
+    assert json.loads(capsys.readouterr().out) == json.loads(saved.read_text())
+
+
+def test_a_config_json_of_another_family_or_broken_json_is_refused_naming_the_file(
+    tmp_path, capsys
+):
+    saved = tmp_path / "config.json"
+    saved.write_text(json.dumps(get_recipe("debug-gpt-oss").to_dict()))
+    rule = rf"^{saved} is a config of model family 'gpt_oss', but the recipe's is 'qwen3_moe'"
+    with pytest.raises(ValueError, match=rule + "; start from a gpt_oss recipe"):
+        resolve_config(get_recipe("debug"), toml_path=saved)
+    saved.write_text('{"seed": 1,\n "training": {"lr": }}\n')
+    with pytest.raises(ValueError, match=rf"^config file {saved} is not valid JSON: .*line 2"):
+        resolve_config(get_recipe("debug"), toml_path=saved)

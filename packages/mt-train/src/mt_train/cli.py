@@ -65,7 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="[RECIPE] [KEY=VALUE ...]",
         help="a recipe name (first, optional) and config overrides",
     )
-    pretrain.add_argument("--config", metavar="FILE.toml", help="TOML file of config overrides")
+    pretrain.add_argument(
+        "--config",
+        metavar="FILE.toml",
+        help="TOML file of config overrides, or a .json file as --print-config prints it "
+        "(a run's config.json): passed back, it gives the same config",
+    )
     pretrain.add_argument(
         "--print-config", action="store_true", help="print the resolved config and exit"
     )

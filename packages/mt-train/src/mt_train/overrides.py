@@ -255,6 +255,9 @@ def _merge_toml(
         if key not in known or key in _FIXED_KEYS:
             raise _unknown_key_error(key, known, path)
         current = known[key]
+        if value is None and type(None) in (_union_members(declared.get(key)) or ()):
+            _set(data, key, value)  # JSON null: a field that may be None
+            continue
         if current is None:
             try:
                 value = _as_declared(value, declared.get(key, Any))
@@ -295,8 +298,10 @@ def resolve_config(
     known = _settable(data)
     if toml_path is not None:
         path = Path(toml_path)
+        is_json = path.suffix.lower() == ".json"
         try:
-            table = tomllib.loads(path.read_text(encoding="utf-8"))
+            text = path.read_text(encoding="utf-8")
+            table = json.loads(text) if is_json else tomllib.loads(text)
         except FileNotFoundError:
             raise ValueError(f"config file {path} does not exist") from None
         except (OSError, UnicodeDecodeError) as err:  # a directory, unreadable, not text
@@ -305,6 +310,11 @@ def resolve_config(
             ) from None
         except tomllib.TOMLDecodeError as err:
             raise ValueError(f"config file {path} is not valid TOML: {err}") from None
+        except json.JSONDecodeError as err:
+            raise ValueError(f"config file {path} is not valid JSON: {err}") from None
+        if is_json:
+            table = _whole_config_json(table, data, declared, path)
+            known = _settable(data)
         _merge_toml(data, table, known, str(path), declared)
         known = _settable(data)
     for item in overrides:
@@ -322,6 +332,42 @@ def resolve_config(
         _set(data, key, value)
         known = _settable(data)
     return JobConfig.from_dict(data)
+
+
+def _whole_config_json(
+    table: Any, data: dict[str, Any], declared: dict[str, Any], path: Path
+) -> dict[str, Any]:
+    """Reads a JSON config file: the nested form ``--print-config`` prints and a run's
+    ``config.json`` holds. Its ``model_family`` must be the recipe's; its dict fields
+    (``model.rope_scaling``) replace the recipe's whole, as a JSON override does, so the
+    printed config passed back gives the same config. Sets those in `data`.
+
+    Returns:
+        The rest, to merge key by key as a TOML file's tables are.
+    """
+    if not isinstance(table, dict):
+        raise ValueError(f"config file {path} holds {type(table).__name__}, not a JSON object")
+    table = dict(table)
+    family = table.pop("model_family", data["model_family"])
+    if family != data["model_family"]:
+        raise ValueError(
+            f"{path} is a config of model family {family!r}, but the recipe's is "
+            f"{data['model_family']!r}; start from a {family} recipe (mt-train pretrain "
+            "--help lists them)"
+        )
+    for key in [k for k, t in declared.items() if _is_dict_field(t)]:
+        *parents, leaf = key.split(".")
+        node = table
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or leaf not in node:
+            continue
+        try:
+            value = _as_declared(node.pop(leaf), declared[key])
+        except ValueError as err:
+            raise ValueError(f"{path}: {key} = {err}") from None
+        _set(data, key, value)
+    return table
 
 
 def _settable(data: dict[str, Any]) -> dict[str, Any]:
