@@ -438,3 +438,22 @@ def test_a_config_json_of_another_family_or_broken_json_is_refused_naming_the_fi
     saved.write_text('{"seed": 1,\n "training": {"lr": }}\n')
     with pytest.raises(ValueError, match=rf"^config file {saved} is not valid JSON: .*line 2"):
         resolve_config(get_recipe("debug"), toml_path=saved)
+
+
+def test_more_threads_than_usable_cores_is_refused_before_any_thread_starts(
+    tmp_path, capsys, monkeypatch
+):
+    # training.num_threads=100000 started 100000 OpenMP threads and stalled the machine.
+    import torch
+
+    def set_num_threads(n):
+        raise AssertionError(f"torch.set_num_threads({n}) ran before the check")
+
+    monkeypatch.setattr(torch, "set_num_threads", set_num_threads)
+    cores = len(os.sched_getaffinity(0))
+    argv = ["pretrain", "tiny", f"run_dir={tmp_path / 'r'}", f"training.num_threads={cores + 1}"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"training.num_threads ({cores + 1}) exceeds the {cores} CPU cores" in err, err
+    assert f"set at most {cores}" in err and "Traceback" not in err
+    assert not (tmp_path / "r").exists()

@@ -76,7 +76,8 @@ class TrainingConfig:
         dtype: "auto" (BF16 autocast on GPU, FP32 on CPU), "float32" or "bfloat16".
         device: "auto", "cpu" or "cuda".
         num_threads: CPU threads for intra-op parallelism (0 leaves PyTorch's
-            default); fix it for bit-exact resume on CPU.
+            default; at most the cores the process may use, checked at setup); fix it for
+            bit-exact resume on CPU.
         on_nonfinite: what a non-finite loss or gradient norm (on any rank) does, checked
             before the optimizer step: "skip" drops the step's update and counts it
             (`skipped_steps` in the metrics); "stop" ends the run with an error and keeps

@@ -123,6 +123,21 @@ def _resolve_device(cfg: JobConfig) -> tuple[str, torch.dtype | None]:
     return want, (torch.bfloat16 if dtype == "bfloat16" else None)
 
 
+def _check_num_threads(num_threads: int) -> None:
+    """Refuses more intra-op threads than this process has cores: each is an OpenMP thread
+    started at once (100000 stalled the machine), and past the cores they only slow a step.
+
+    Raises:
+        ValueError: `num_threads` exceeds the cores this process may run on.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if cores and num_threads > cores:
+        raise ValueError(
+            f"training.num_threads ({num_threads}) exceeds the {cores} CPU cores this process "
+            f"may use; set at most {cores} (0 leaves PyTorch's default)"
+        )
+
+
 def setup(cfg: JobConfig) -> TrainState:
     """Builds data, model (meta → parallelize → init_weights) and optimizer, then resumes.
 
@@ -143,6 +158,7 @@ def setup(cfg: JobConfig) -> TrainState:
     if cfg.init_from and latest_checkpoint(checkpoint_root(run_dir)) is None:
         _init_source_kind(Path(cfg.init_from))  # a wrong path fails before anything is built
     if cfg.training.num_threads:
+        _check_num_threads(cfg.training.num_threads)
         torch.set_num_threads(cfg.training.num_threads)
     device_type, autocast_dtype = _resolve_device(cfg)
     env = init_distributed(device_type, cfg.parallel.timeout_s)
