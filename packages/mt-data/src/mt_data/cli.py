@@ -1,9 +1,9 @@
 """The `mt-data` command: build corpora, inspect them, or build the default corpus.
 
-    mt-data build INPUT... --tokenizer TOKENIZER --output DIR [--workers N]
+    mt-data build INPUT... --tokenizer PATH --output DIR [--workers N]
                            [--text-key text] [--on-error skip|fail] [--eos-token TOKEN]
                            [--bos | --bos-token TOKEN] [--no-progress]
-    mt-data inspect PATH [--tokenizer TOKENIZER] [--documents 1] [--characters 300]
+    mt-data inspect PATH [--tokenizer PATH] [--documents N] [--characters N]
     mt-data build-default --output DIR [--no-progress]
 
 User mistakes print one line on stderr and exit with status 2, never a traceback.
@@ -62,6 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument(
         "--tokenizer",
         required=True,
+        metavar="PATH",
         help="tokenizer.json, or a directory holding it (and tokenizer_config.json or "
         "special_tokens_map.json naming eos_token)",
     )
@@ -69,6 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument(
         "--text-key",
         default="text",
+        metavar="KEY",
         help="JSON field (Parquet column) holding the text (default: text)",
     )
     build.add_argument(
@@ -88,6 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument(
         "--eos-token",
         default=None,
+        metavar="TOKEN",
         help="EOS token text (default: eos_token of tokenizer_config.json or "
         "special_tokens_map.json, as transformers reads them, else the first of "
         f"{', '.join(FALLBACK_EOS_TOKENS)} in the vocabulary)",
@@ -117,15 +120,25 @@ def _parser() -> argparse.ArgumentParser:
         ),
     )
     inspect.add_argument("path", metavar="PATH", help="corpus directory or shard prefix")
-    inspect.add_argument("--tokenizer", default=None, help="tokenizer.json or its directory")
+    inspect.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="PATH",
+        help="tokenizer.json or its directory (default: the one manifest.json names)",
+    )
     inspect.add_argument(
         "--documents",
         type=int,
         default=1,
+        metavar="N",
         help="sequences to decode, the first in shard order (default: 1)",
     )
     inspect.add_argument(
-        "--characters", type=int, default=300, help="characters shown per sequence"
+        "--characters",
+        type=int,
+        default=300,
+        metavar="N",
+        help="characters shown per sequence (default: 300)",
     )
 
     default = commands.add_parser(
