@@ -457,3 +457,17 @@ def test_more_threads_than_usable_cores_is_refused_before_any_thread_starts(
     assert f"training.num_threads ({cores + 1}) exceeds the {cores} CPU cores" in err, err
     assert f"set at most {cores}" in err and "Traceback" not in err
     assert not (tmp_path / "r").exists()
+
+
+def test_data_and_validation_paths_starting_with_a_tilde_are_under_the_home_directory(tmp_path):
+    # The shell leaves data.path=~/c alone (data.path is no shell variable name), and no
+    # shell expands a TOML file: as run_dir and init_from, the config expands it.
+    home = os.path.expanduser("~")
+    path = tmp_path / "c.toml"
+    path.write_text('[data]\npath = "~/corpus"\n[validation]\npath = "~/held"\ninterval = 5\n')
+    for kwargs in ({"toml_path": path},
+                   {"overrides": ["data.path=~/corpus", "validation.path=~/held",
+                                  "validation.interval=5"]}):  # fmt: skip
+        cfg = resolve_config(get_recipe("tiny"), **kwargs)
+        assert cfg.data.path == os.path.join(home, "corpus")
+        assert cfg.validation.path == os.path.join(home, "held")

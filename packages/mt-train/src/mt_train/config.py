@@ -23,8 +23,9 @@ class DataConfig:
     """Where training tokens come from.
 
     Attributes:
-        path: a directory of `.bin`/`.idx` shards built by `mt-data build`; empty
-            means the embedded default corpus (the Python standard library sources).
+        path: a directory of `.bin`/`.idx` shards built by `mt-data build` (a leading ``~``
+            is the home directory); empty means the embedded default corpus (the Python
+            standard library sources).
         seq_len: tokens per training sequence.
         on_exhausted: "repeat" starts a new epoch with a new shuffle, "stop" ends
             the run when the data runs out.
@@ -45,6 +46,7 @@ class DataConfig:
     document_masking: bool = False
 
     def __post_init__(self) -> None:
+        self.path = os.path.expanduser(self.path)  # as JobConfig.run_dir: no shell expands it
         if self.seq_len < 2:
             raise ValueError(f"data.seq_len ({self.seq_len}) must be at least 2")
         if self.on_exhausted not in ("repeat", "stop"):
@@ -201,7 +203,8 @@ class ValidationConfig:
     packed samples span document boundaries and the shuffled loader would still visit it.
 
     Attributes:
-        path: a corpus directory; empty disables validation.
+        path: a corpus directory (a leading ``~`` is the home directory); empty disables
+            validation.
         interval: evaluate every this many steps and after the last (`training.max_steps`,
             or the last the data allows under `data.on_exhausted='stop'`); set exactly when
             `path` is (0 with a path, or a positive interval without one, is an error).
@@ -215,6 +218,7 @@ class ValidationConfig:
     steps: int = 1
 
     def __post_init__(self) -> None:
+        self.path = os.path.expanduser(self.path)  # as JobConfig.run_dir: no shell expands it
         if self.interval < 0 or self.steps < 1:
             raise ValueError(
                 f"validation.interval ({self.interval}) must be >= 0 and validation.steps "
