@@ -683,6 +683,32 @@ def test_an_out_under_a_file_is_a_one_line_error_naming_it(tmp_path, mt_checkpoi
         assert "choose another --out" in err and "Traceback" not in err
 
 
+def test_a_conversion_failing_to_write_is_a_one_line_error_exiting_1_leaving_nothing(
+    tmp_path, mt_checkpoint, monkeypatch, capsys
+):
+    # A full disk (or a read-only or pseudo file system, e.g. --out /proc/hf) while writing:
+    # a runtime failure, not a usage error; the traceback said nothing more than this line.
+    def save_file_full(tensors, filename, metadata=None):
+        raise OSError(28, "No space left on device")
+
+    def dcp_save_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(hf_io, "save_file", save_file_full)
+    monkeypatch.setattr(convert.dcp, "save", dcp_save_full)
+    out = tmp_path / "out"
+    for argv in (
+        ["convert", "mt-to-hf", "--checkpoint", str(mt_checkpoint), "--out", str(out)],
+        ["convert", "hf-to-mt", "--hf", str(mt_checkpoint.parent / "hf"), "--out", str(out)],
+    ):
+        assert main([*argv, "--no-progress"]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("mt-train: error: OSError: [Errno 28] No space left on device"), err
+        assert f"--out {out} was not written (nothing is left there)" in err
+        assert "Traceback" not in err and len(err.splitlines()) == 1, err
+        assert list(tmp_path.iterdir()) == []
+
+
 def test_an_out_that_is_the_current_directory_is_refused_naming_it(
     tmp_path, mt_checkpoint, monkeypatch, capsys
 ):

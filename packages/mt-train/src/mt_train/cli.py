@@ -191,6 +191,13 @@ def _convert(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"mt-train: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # a full disk, a read-only file system: the run failed, not usage
+        print(
+            f"mt-train: error: {type(err).__name__}: {err}; --out {args.out} was not written "
+            "(nothing is left there)",
+            file=sys.stderr,
+        )
+        return 1
     print(f"wrote {out}")
     return 0
 
