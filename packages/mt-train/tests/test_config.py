@@ -471,3 +471,13 @@ def test_data_and_validation_paths_starting_with_a_tilde_are_under_the_home_dire
         cfg = resolve_config(get_recipe("tiny"), **kwargs)
         assert cfg.data.path == os.path.join(home, "corpus")
         assert cfg.validation.path == os.path.join(home, "held")
+
+
+def test_pretrain_usage_shows_one_optional_recipe_then_overrides(capsys):
+    with pytest.raises(SystemExit):
+        main(["pretrain", "--help"])
+    usage = " ".join(capsys.readouterr().out.split("\n\n")[0].split())
+    assert usage == (
+        "usage: mt-train pretrain [-h] [--config FILE.toml] [--print-config] [RECIPE] "
+        "[KEY=VALUE ...]"
+    )

@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     pretrain = sub.add_parser(
         "pretrain",
+        # argparse would write the positionals as "[[RECIPE] [KEY=VALUE ...] ...]".
+        usage="%(prog)s [-h] [--config FILE.toml] [--print-config] [RECIPE] [KEY=VALUE ...]",
         help="train a model from a recipe",
         description="Train a model from a recipe (default: debug), adjusted by a TOML "
         "file and KEY=VALUE overrides.",
