@@ -74,3 +74,10 @@ def test_a_cuda_device_index_past_the_gpus_here_is_a_value_error_naming_it(monke
     with pytest.raises(ValueError, match=r"--device cuda:2: this machine has 2 CUDA devices "
                        r"\(cuda:0 to cuda:1\)"):  # fmt: skip
         generate("no-checkpoint-needed", "x", device="cuda:2")
+
+
+def test_generate_help_names_every_device_it_takes(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--device DEVICE cpu (default), cuda or cuda:N (the Nth GPU)" in help_text

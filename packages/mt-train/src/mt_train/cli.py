@@ -4,7 +4,7 @@
     mt-train convert hf-to-mt --hf DIR --out DIR [--no-progress]
     mt-train convert mt-to-hf --checkpoint DIR --out DIR [--max-shard-size 5GB] [--no-progress]
     mt-train generate --checkpoint DIR --prompt TEXT [--max-new-tokens N] [--temperature T]
-                      [--top-p P] [--seed N] [--device cpu|cuda]
+                      [--top-p P] [--seed N] [--device cpu|cuda|cuda:N]
 
 `python -m mt_train ...` is the same program.
 """
@@ -144,7 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--seed", type=int, default=0, metavar="N", help="seed of the sampling (default: 0)"
     )
-    gen.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    gen.add_argument(
+        "--device",
+        default="cpu",
+        metavar="DEVICE",
+        help="cpu (default), cuda or cuda:N (the Nth GPU)",
+    )
     return parser
 
 
