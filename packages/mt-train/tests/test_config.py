@@ -481,3 +481,15 @@ def test_pretrain_usage_shows_one_optional_recipe_then_overrides(capsys):
         "usage: mt-train pretrain [-h] [--config FILE.toml] [--print-config] [RECIPE] "
         "[KEY=VALUE ...]"
     )
+
+
+def test_a_second_config_file_is_refused_not_silently_dropping_the_first(tmp_path, capsys):
+    first, second = tmp_path / "a.toml", tmp_path / "b.toml"
+    first.write_text("[training]\nmax_steps = 9\n")
+    second.write_text("seed = 4\n")
+    argv = ["pretrain", "tiny", "--config", str(first), "--config", str(second), "--print-config"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--config is given more than once ({first}, {second}); give one file" in err, err

@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pretrain.add_argument(
         "--config",
+        action="append",
         metavar="FILE.toml",
         help="TOML file of config overrides, or a .json file as --print-config prints it "
         "(a run's config.json): passed back, it gives the same config",
@@ -293,6 +294,13 @@ def _main(argv: list[str] | None) -> int:
     if args.command != "pretrain" and rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.args = list(getattr(args, "args", [])) + rest
+    if args.command == "pretrain" and args.config:  # a list, so a second one is not lost
+        if len(args.config) > 1:
+            parser.error(
+                f"--config is given more than once ({', '.join(args.config)}); give one file "
+                "(set the other's keys as KEY=VALUE, which win over the file)"
+            )
+        args.config = args.config[0]
     _configure_logging()
     if args.command == "convert":
         return _convert(args)
