@@ -493,3 +493,19 @@ def test_a_second_config_file_is_refused_not_silently_dropping_the_first(tmp_pat
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert f"--config is given more than once ({first}, {second}); give one file" in err, err
+
+
+@pytest.mark.parametrize(
+    ("recipe", "override", "rule"),
+    [
+        ("debug", "model.vocab_size=0", r"^model.vocab_size \(0\) must be >= 1"),
+        ("debug", "model.rope_theta=-1", r"^model.rope_theta \(-1.0\) and rms_norm_eps"),
+        ("debug-gpt-oss", "model.num_hidden_layers=2", r"^model.layer_types \(\['sliding"),
+        ("debug-deepseek-v2", "model.topk_group=5", r"^model: group_limited_greedy needs"),
+    ],
+)
+def test_a_model_config_error_names_the_model_section_as_the_keys_are_written(
+    recipe, override, rule
+):
+    with pytest.raises(ValueError, match=rule):
+        resolve_config(get_recipe(recipe), overrides=[override])

@@ -416,7 +416,7 @@ class JobConfig:
         family = data.pop("model_family")
         model_cls = MODEL_FAMILIES[family][0]
         return cls(
-            model=_build(model_cls, data.pop("model")),
+            model=_build_model_config(model_cls, data.pop("model")),
             data=_build(DataConfig, data.pop("data")),
             training=_build(TrainingConfig, data.pop("training")),
             checkpoint=_build(CheckpointConfig, data.pop("checkpoint")),
@@ -432,6 +432,18 @@ class JobConfig:
 
 def _build(cls: type, values: dict[str, Any]) -> Any:
     return cls(**values)
+
+
+def _build_model_config(cls: type, values: dict[str, Any]) -> Any:
+    """Builds a family config; its errors name fields as the keys are written
+    (``model.vocab_size (0) ...``; mt-models knows no ``model.`` section)."""
+    try:
+        return cls(**values)
+    except ValueError as err:
+        text = str(err)
+        first = text.split(" ", 1)[0]
+        names = {f.name for f in dataclasses.fields(cls)}
+        raise ValueError(f"model.{text}" if first in names else f"model: {text}") from None
 
 
 def _first_non_finite(data: Any, prefix: str = "") -> tuple[str, float] | None:
