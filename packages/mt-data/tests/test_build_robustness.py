@@ -422,6 +422,20 @@ def test_cli_inspect_refuses_a_missing_tokenizer_and_negative_counts(tmp_path, c
         assert message in captured.err and captured.out == ""
 
 
+def test_cli_build_names_a_bad_option_by_its_flag_and_writes_nothing(tmp_path, capsys):
+    path = _write_jsonl(tmp_path / "i.jsonl", ["x = 1\n"])
+    for extra, message in (
+        (["--workers", "-3"], "--workers (-3) must be >= 0 (0: tokenize in this process)"),
+        (["--text-key", ""], "--text-key ('') must name a JSON field (Parquet column), e.g. "
+                                 "--text-key text"),
+    ):
+        argv = ["build", str(path), "--tokenizer", str(default_tokenizer_path())]
+        assert main([*argv, "--output", str(tmp_path / "out"), "--no-progress", *extra]) == 2
+        captured = capsys.readouterr()
+        assert captured.err == f"mt-data build: error: {message}\n", captured.err
+        assert not (tmp_path / "out").exists()
+
+
 def test_written_shards_are_memory_bounded_by_the_batch_not_the_file(tmp_path):
     # The writer keeps no per-document list in memory: lengths go straight to the index.
     from mt_data.indexed import IndexedDatasetWriter

@@ -162,6 +162,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run_build(args: argparse.Namespace) -> int:
+    # Checked here too, to name the flags (build_corpus names its Python arguments).
+    if args.workers is not None and args.workers < 0:
+        raise ValueError(f"--workers ({args.workers}) must be >= 0 (0: tokenize in this process)")
+    if not args.text_key:
+        raise ValueError(
+            f"--text-key ({args.text_key!r}) must name a JSON field (Parquet column), e.g. "
+            "--text-key text"
+        )
     summary = build_corpus(
         args.inputs,
         args.tokenizer,
