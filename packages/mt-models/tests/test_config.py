@@ -132,3 +132,26 @@ def test_gpt_oss_depth_change_error_says_to_reset_the_derived_layer_types():
         dataclasses.replace(gpt_oss_debug(), num_hidden_layers=2)
     config = dataclasses.replace(gpt_oss_debug(), num_hidden_layers=2, layer_types=None)
     assert config.layer_types == ["sliding_attention", "full_attention"]
+
+
+@pytest.mark.parametrize(
+    ("scaling", "message"),
+    [
+        ({"rope_type": "linear", "factor": "x"}, r"rope_scaling factor \('x'\) must be a number"),
+        ({"rope_type": "yarn", "factor": [2]}, r"rope_scaling factor \(\[2\]\) must be a number"),
+        ({"rope_type": "linear", "factor": True}, r"rope_scaling factor \(True\) must be a num"),
+        ({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": "x"},
+         r"rope_scaling original_max_position_embeddings \('x'\) must be a number"),
+        ({"rope_type": "yarn", "factor": 2.0, "beta_fast": "x"},
+         r"rope_scaling beta_fast \('x'\) must be a number"),
+        ({"rope_type": "yarn", "factor": 2.0, "attention_factor": None, "mscale": "1"},
+         r"rope_scaling mscale \('1'\) must be a number"),
+        ({"rope_type": "yarn", "factor": 2.0, "truncate": "no"},
+         r"rope_scaling truncate \('no'\) must be true or false"),
+    ],
+)  # fmt: skip
+def test_rope_scaling_values_of_the_wrong_type_are_refused_naming_them(scaling, message):
+    # They raised TypeError ("'>' not supported between 'str' and 'int'") or passed, to
+    # fail when the model was built.
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(debug(), rope_scaling=scaling)

@@ -48,10 +48,18 @@ def check_router_losses(config: Any) -> None:
         )
 
 
+# The numeric keys of rope_scaling that mt_models.layers.rope reads.
+_ROPE_SCALING_NUMBERS = (
+    "factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
+    "mscale", "mscale_all_dim",
+)  # fmt: skip
+
+
 def check_rope(config: Any) -> None:
-    """Validates ``rope_theta``, ``rms_norm_eps`` and ``rope_scaling`` (its type, and a
-    ``factor`` > 0, required by ``linear``: a factor of 0 makes every RoPE angle NaN); spells
-    the type key ``rope_type`` (older Hub files say ``type``)."""
+    """Validates ``rope_theta``, ``rms_norm_eps`` and ``rope_scaling`` (its type, numbers
+    where RoPE reads numbers, a bool ``truncate``, and a ``factor`` > 0, required by
+    ``linear``: a factor of 0 makes every RoPE angle NaN); spells the type key ``rope_type``
+    (older Hub files say ``type``)."""
     from mt_models.layers.rope import rope_type_of
 
     if config.rope_scaling and "type" in config.rope_scaling:
@@ -66,6 +74,13 @@ def check_rope(config: Any) -> None:
     rope_type = rope_type_of(config.rope_scaling)
     if rope_type == "default":
         return
+    for name in _ROPE_SCALING_NUMBERS:  # a string from a config file failed later as TypeError
+        value = config.rope_scaling.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise ValueError(f"rope_scaling {name} ({value!r}) must be a number")
+    truncate = config.rope_scaling.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise ValueError(f"rope_scaling truncate ({truncate!r}) must be true or false")
     factor = config.rope_scaling.get("factor")
     if factor is None and rope_type == "linear":
         raise ValueError(
