@@ -509,3 +509,11 @@ def test_a_model_config_error_names_the_model_section_as_the_keys_are_written(
 ):
     with pytest.raises(ValueError, match=rule):
         resolve_config(get_recipe(recipe), overrides=[override])
+
+
+def test_a_toml_scalar_for_a_dict_field_the_recipe_sets_is_a_type_error(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[model]\nrope_scaling = 3\n")
+    with pytest.raises(ValueError, match=r"c.toml: model.rope_scaling = 3 has type int, expected "
+                       r"dict \| None"):  # fmt: skip
+        resolve_config(get_recipe("debug-gpt-oss"), toml_path=path)

@@ -252,6 +252,11 @@ def _merge_toml(
 ):
     none_now = frozenset(k for k, v in known.items() if v is None)
     for key, value in flatten(table, leaves=none_now).items():
+        if key not in known and _is_dict_field(declared.get(key)):  # set now, and no table
+            try:
+                _as_declared(value, declared[key])
+            except ValueError as err:
+                raise ValueError(f"{path}: {key} = {err}") from None
         if key not in known or key in _FIXED_KEYS:
             raise _unknown_key_error(key, known, path)
         current = known[key]
