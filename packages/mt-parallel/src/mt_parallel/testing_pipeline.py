@@ -1,0 +1,117 @@
+"""Checks of the DualPipeV executor against one process (used by tests; `spawn` targets).
+
+:func:`compare_dualpipev` builds the same model twice, runs ``run_microbatches`` on the
+whole of one and the executor on this rank's stages of the other over the same global
+batch, and asserts the step's loss sums and every gradient of the rank's parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mt_models import build_model
+from mt_parallel.pipeline import DualPipeVExecutor
+from mt_parallel.pipeline_stages import rank_parameters, split_for_dualpipev
+from mt_parallel.schedule import MicroBatch, run_microbatches
+from mt_parallel.testing import rel_err
+
+
+def _build(model_config: Any, seed: int) -> torch.nn.Module:
+    with torch.device("meta"):
+        model = build_model(model_config)
+    model.to_empty(device="cpu")
+    model.init_weights(seed)
+    return model
+
+
+def _micro_batches(vocab_size: int, num: int, rows: int, seq_len: int, seed: int):
+    """`num` micro-batches of `rows` random sequences; a few labels of each are ignored."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab_size, (num * rows, seq_len + 1), generator=gen)
+    out = []
+    for i, chunk in enumerate(tokens.split(rows)):
+        labels = chunk[:, 1:].clone()
+        labels[0, : i % 3] = -100  # valid-token counts differ between micro-batches
+        out.append(MicroBatch(chunk[:, :-1].clone(), labels))
+    return out
+
+
+def compare_dualpipev(
+    model_config: Any, *, num_micro_batches: int, rows: int, seq_len: int, seed: int = 0,
+    grad_tol: float, loss_tol: float,
+) -> dict[str, float]:  # fmt: skip
+    """Asserts that one DualPipeV step reproduces ``run_microbatches`` on one process.
+
+    Runs on each rank of the default group (pp = world size), or in this process with
+    pp = 1 when no group is initialized. Asserts: ``ce_sum`` and ``num_tokens`` equal, the
+    aux loss and its terms within `loss_tol` relative, every gradient of the rank's
+    parameters within `grad_tol` relative (norm), no gradient on parameters of other
+    ranks' stages, every parameter on exactly one rank, and each (chunk, micro-batch)'s
+    weight gradients flushed exactly once, none empty. A second step from zeroed gradients
+    must give the same gradients again (nothing carried over between steps).
+
+    Returns:
+        The worst relative errors seen.
+    """
+    pp = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    mbs = _micro_batches(model_config.vocab_size, num_micro_batches, rows, seq_len, seed)
+    num_tokens = sum(int((mb.labels != -100).sum()) for mb in mbs)
+    reference = _build(model_config, seed)
+    want = run_microbatches(reference, mbs, num_tokens)
+    model = _build(model_config, seed)
+    stages = split_for_dualpipev(model, rank, pp)
+    executor = DualPipeVExecutor(stages, rank, pp)
+    where = f"rank {rank} of pp={pp}"
+    worst = {"loss": 0.0, "aux": 0.0, "grad": 0.0}
+    ref_params = dict(reference.named_parameters())
+    mine = dict(rank_parameters(stages))
+    first: dict[str, torch.Tensor] = {}
+    for step in range(2):
+        got = executor.step(mbs, num_tokens)
+        assert int(got.num_tokens) == int(want.num_tokens) == num_tokens, (where, got, want)
+        worst["loss"] = max(worst["loss"], rel_err(got.ce_sum, want.ce_sum))
+        assert worst["loss"] <= loss_tol, f"{where}: ce_sum {got.ce_sum} vs {want.ce_sum}"
+        assert float(want.aux_loss) > 0, f"{where}: the reference's aux loss is 0"
+        worst["aux"] = max(worst["aux"], rel_err(got.aux_loss, want.aux_loss))
+        assert worst["aux"] <= loss_tol, f"{where}: aux_loss {got.aux_loss} vs {want.aux_loss}"
+        assert got.losses.keys() == want.losses.keys(), (got.losses, want.losses)
+        for name, value in got.losses.items():
+            err = abs(value - want.losses[name]) / max(abs(want.losses[name]), 1e-30)
+            assert err <= loss_tol, f"{where}: {name} {value} vs {want.losses[name]}"
+        flushed = sorted((c, m) for c, m, _ in executor.weight_flushes)
+        every = [(c, m) for c in (0, 1) for m in range(num_micro_batches)]
+        assert flushed == every, f"{where}: W ran for {flushed}, expected each of {every} once"
+        empty = [(c, m) for c, m, n in executor.weight_flushes if n == 0]
+        assert not empty, f"{where}: W of {empty} flushed no weight gradient (none deferred)"
+        for name, param in mine.items():
+            assert param.grad is not None, f"{where}: {name} has no gradient"
+            if step == 0:
+                err = rel_err(param.grad, ref_params[name].grad)
+                worst["grad"] = max(worst["grad"], err)
+                assert err <= grad_tol, f"{where}: gradient of {name} differs by {err:.2e}"
+                first[name] = param.grad.clone()
+            else:
+                assert torch.equal(param.grad, first[name]), f"{where}: step 2 {name} differs"
+            param.grad = None
+    others = [n for n, p in model.named_parameters() if n not in mine and p.grad is not None]
+    assert not others, f"{where}: parameters of other ranks' stages got gradients: {others}"
+    names = [None] * pp
+    if dist.is_initialized():
+        dist.all_gather_object(names, sorted(mine))
+    else:
+        names = [sorted(mine)]
+    held = [n for rank_names in names for n in rank_names]
+    assert sorted(held) == sorted(ref_params), f"{where}: parameters held by the ranks {held}"
+    return worst
+
+
+def check_dualpipev_cases(cases: list[tuple[Any, dict[str, Any]]]) -> None:
+    """Runs :func:`compare_dualpipev` for each (model config, keyword arguments) in turn."""
+    for model_config, kwargs in cases:
+        worst = compare_dualpipev(model_config, **kwargs)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"dualpipev worst errors {worst}")

@@ -1,0 +1,154 @@
+"""The DualPipeV executor: a split model runs one step to the one-process loss and gradients.
+
+Each comparison (`compare_dualpipev`) runs `run_microbatches` on a whole tiny Qwen3-MoE
+and the executor on the pipeline ranks' stages of a second copy, over the same global
+batch (4-10 micro-batches, a few labels ignored), and asserts ce_sum and token counts,
+the aux loss and its terms within LOSS_TOL, every parameter gradient within GRAD_TOL,
+each (chunk, micro-batch)'s weight gradients flushed exactly once and none left queued.
+
+Tolerances: all fp32 on the CPU. The executor runs each stage's ops on the same inputs as
+one process, and each parameter's gradient accumulates over micro-batches in the same
+order (a chunk's W run in micro-batch order; the deferred dW is the g^T·x autograd's
+linear computes), so the results have been bitwise equal (worst errors 0.0 at pp = 1, 2
+and 4). The bounds leave room for a few fp32 ulps (eps 1.2e-7) of another matmul
+kernel's summation order, no more: a missing or doubled micro-batch, a dropped aux-loss
+gradient or a W flushed twice is off by far more (1e-3 and up).
+"""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from mt_models import build_model, qwen3_moe
+from mt_parallel.pipeline import DualPipeVExecutor
+from mt_parallel.pipeline_stages import rank_parameters, split_for_dualpipev, stage_layers
+from mt_parallel.testing import spawn
+from mt_parallel.testing_pipeline import check_dualpipev_cases, compare_dualpipev
+
+GRAD_TOL = 1e-6
+LOSS_TOL = 1e-7
+SHAPES = {"rows": 2, "seq_len": 16, "grad_tol": GRAD_TOL, "loss_tol": LOSS_TOL}
+
+
+def _qwen3(num_layers: int, **changes):
+    # Layer 1 dense among MoE layers (8 experts top-2, aux coefficient 0.01).
+    return replace(
+        qwen3_moe.debug(), vocab_size=256, hidden_size=32, intermediate_size=64,
+        moe_intermediate_size=16, num_hidden_layers=num_layers, head_dim=8,
+        mlp_only_layers=(1,), **changes,
+    )  # fmt: skip
+
+
+# The aux-loss variants of CausalLM.auxiliary_losses: "pooled" balancing is no sum of
+# per-layer terms, so it needs every layer's statistics at the last stage.
+VARIANTS = {
+    "global_pooled": {},
+    "sequence_per_layer_z": {
+        "aux_loss_type": "sequence",
+        "load_balancing": "per_layer",
+        "router_z_loss_coef": 1e-3,
+    },  # fmt: skip
+    "tied_embeddings": {"tie_word_embeddings": True, "router_z_loss_coef": 1e-3},
+}
+
+
+def test_stage_layers_split_evenly_with_extras_at_the_bottom_of_the_v():
+    assert [len(r) for r in stage_layers(9, 2)] == [2, 3, 2, 2]  # extras: stage pp−1 = 1,
+    assert [len(r) for r in stage_layers(11, 2)] == [3, 3, 3, 2]  # then 2, 0, 3
+    assert [len(r) for r in stage_layers(8, 2)] == [2, 2, 2, 2]
+    assert [len(r) for r in stage_layers(2, 1)] == [1, 1]
+    for pp in range(1, 5):
+        for num_layers in range(2 * pp, 6 * pp):
+            ranges = stage_layers(num_layers, pp)
+            assert [i for r in ranges for i in r] == list(range(num_layers))
+            sizes = [len(r) for r in ranges]
+            assert max(sizes) - min(sizes) <= 1
+            if num_layers % (2 * pp) < 2 * pp - 2:  # rank 0's stages get no extra layer
+                assert sizes[0] == sizes[-1] == num_layers // (2 * pp), sizes
+
+
+def test_split_refuses_fewer_layers_than_stages_naming_both():
+    with pytest.raises(ValueError, match=r"has 3 decoder layers .* pp=2 has 4 stages"):
+        stage_layers(3, 2)
+    model = build_model(_qwen3(3))
+    with pytest.raises(ValueError, match=r"has 3 decoder layers .* use pp <= 1"):
+        split_for_dualpipev(model, 0, 2)
+
+
+def test_split_refuses_a_router_stats_reducer():
+    model = build_model(_qwen3(4))
+    model.router_stats_reducer = lambda stats: stats
+    with pytest.raises(ValueError, match="router_stats_reducer is set"):
+        split_for_dualpipev(model, 0, 2)
+
+
+def test_stage_parameters_keep_the_models_names_and_cover_it_once():
+    model = build_model(_qwen3(5))
+    names = {name for name, _ in model.named_parameters()}
+    per_rank = [dict(rank_parameters(split_for_dualpipev(model, r, 2))) for r in range(2)]
+    assert set(per_rank[0]) | set(per_rank[1]) == names
+    assert not set(per_rank[0]) & set(per_rank[1])
+    for rank_params in per_rank:
+        for name, param in rank_params.items():
+            assert param is model.get_parameter(name), name
+    first, last = split_for_dualpipev(model, 0, 2)
+    assert "model.embed_tokens.weight" in dict(first.named_parameters())
+    assert {"model.norm.weight", "lm_head.weight"} <= set(dict(last.named_parameters()))
+    assert last.layer_ids == (4,) and first.layer_ids == (0,)  # 5 layers: the extra one at
+    assert split_for_dualpipev(model, 1, 2)[0].layer_ids == (1, 2)  # stage 1, the V's bottom
+
+
+def test_executor_refuses_stages_of_another_rank():
+    model = build_model(_qwen3(4))
+    stages = split_for_dualpipev(model, 0, 1)
+    with pytest.raises(ValueError, match=r"stages\[0\] is stage 0 of 2; rank 0 of pp=2"):
+        DualPipeVExecutor(stages, 0, 2)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_pp1_folded_v_matches_one_process(variant):
+    compare_dualpipev(_qwen3(5, **VARIANTS[variant]), num_micro_batches=4, **SHAPES)
+
+
+def test_pp1_check_fails_when_the_aux_loss_gradient_is_dropped(monkeypatch):
+    # The comparison can fail: a stage that sent no router-statistics gradient back
+    # leaves the routers of earlier stages without their aux-loss gradient.
+    from mt_parallel import pipeline
+
+    original = pipeline._unflatten_stats
+    monkeypatch.setattr(pipeline, "_unflatten_stats",
+                        lambda flat, *a: original(flat.detach(), *a))  # fmt: skip
+    with pytest.raises(AssertionError, match=r"gradient of model\.\S+ differs by"):
+        compare_dualpipev(_qwen3(4), num_micro_batches=4, **SHAPES)
+
+
+@pytest.mark.slow
+def test_pp2_matches_one_process_over_two_ranks():
+    cases = [(_qwen3(5, **VARIANTS[v]), {"num_micro_batches": m, **SHAPES})
+             for v, m in (("global_pooled", 6), ("sequence_per_layer_z", 4),
+                          ("tied_embeddings", 5))]  # fmt: skip
+    spawn(check_dualpipev_cases, 2, cases)
+
+
+@pytest.mark.slow
+def test_pp2_with_large_activations_does_not_deadlock():
+    # 256 KiB hidden states per message: gloo's blocking send waits for its receive at any
+    # size, so both ranks sending at once would hang; the executor's isends cannot.
+    shapes = {**SHAPES, "rows": 4, "seq_len": 512}
+    spawn(check_dualpipev_cases, 2, [(_qwen3(4), {"num_micro_batches": 4, **shapes})])
+
+
+@pytest.mark.slow
+def test_pp4_matches_one_process_over_four_ranks():
+    cases = [(_qwen3(9, **VARIANTS["global_pooled"]), {"num_micro_batches": 10, **SHAPES})]
+    spawn(check_dualpipev_cases, 4, cases)
+
+
+def test_micro_batch_losses_sum_like_run_microbatches():
+    # Sanity of the setup: the token count the comparison divides by is what labels hold.
+    from mt_parallel.testing_pipeline import _micro_batches
+
+    mbs = _micro_batches(256, 4, 2, 16, 0)
+    assert sum(int((mb.labels != -100).sum()) for mb in mbs) == 4 * 2 * 16 - (0 + 1 + 2 + 0)
+    assert all(mb.input_ids.dtype == torch.int64 for mb in mbs)
