@@ -5,8 +5,10 @@ parallelism (token all-to-all with deduplication and expert-side pre-summing), c
 parallelism (zigzag chunks, all-gathered keys/values) and FSDP2 over the two meshes of
 ARCHITECTURE.md §5. `run_microbatches` is the schedule when pp == 1; `clip_grad_norm`
 clips over both meshes. For pp > 1, `dualpipev_schedule` writes DeepSeek's DualPipeV as
-per-rank lists of typed actions and `simulate` checks and times them on CPU; the executor
-that runs them on a model is still to come.
+per-rank lists of typed actions and `simulate` checks and times them on CPU;
+`split_for_dualpipev` cuts a model into the V's stages and `DualPipeVExecutor` runs a
+rank's list on its two stages (pp alone: not yet with FSDP/EP/CP, nor overlapping a
+ForwardBackward's halves, nor in mt-train).
 """
 
 from mt_parallel.context_parallel import zigzag_positions, zigzag_ranges
@@ -23,7 +25,9 @@ from mt_parallel.dualpipev import (
 from mt_parallel.grad_norm import clip_grad_norm
 from mt_parallel.mesh import ParallelMesh, build_mesh
 from mt_parallel.parallelize import check_batch_split, parallelize, rank_batch_slices
+from mt_parallel.pipeline import DualPipeVExecutor
 from mt_parallel.pipeline_sim import Simulation, simulate
+from mt_parallel.pipeline_stages import PipelineStage, rank_parameters, split_for_dualpipev
 from mt_parallel.schedule import MicroBatch, StepResult, run_microbatches
 
 __all__ = [
@@ -31,11 +35,13 @@ __all__ = [
     "Backward",
     "BackwardInput",
     "BackwardWeight",
+    "DualPipeVExecutor",
     "Forward",
     "ForwardBackward",
     "MicroBatch",
     "ParallelDims",
     "ParallelMesh",
+    "PipelineStage",
     "Simulation",
     "StepResult",
     "build_mesh",
@@ -43,9 +49,11 @@ __all__ = [
     "clip_grad_norm",
     "dualpipev_schedule",
     "parallelize",
+    "rank_parameters",
     "rank_batch_slices",
     "run_microbatches",
     "simulate",
+    "split_for_dualpipev",
     "zigzag_positions",
     "zigzag_ranges",
 ]
