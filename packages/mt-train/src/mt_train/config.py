@@ -284,8 +284,8 @@ class ParallelConfig:
     """The parallel layout (ARCHITECTURE.md §5) and how collectives behave.
 
     Attributes:
-        pp: pipeline-parallel size (1 only: the DualPipeV schedule exists as data, its executor
-            does not yet).
+        pp: pipeline-parallel size (1 only: mt-parallel's DualPipeV executor runs pp alone,
+            not yet with FSDP/EP/CP, and the training loop does not use it yet).
         dp: data-parallel (FSDP) size; -1 takes world_size // (pp·cp·ep).
         cp: context-parallel size (zigzag sequence chunks).
         ep: expert-parallel size; must divide the number of experts.
@@ -313,9 +313,10 @@ class ParallelConfig:
                 raise ValueError(f"parallel.{name} ({getattr(self, name)}) must be >= 1")
         if self.pp > 1:
             raise ValueError(
-                f"parallel.pp ({self.pp}) > 1 needs a pipeline executor, which mt-parallel "
-                "does not have yet (the DualPipeV schedule exists only as data); use "
-                "parallel.pp=1 (dp, cp and ep are available)"
+                f"parallel.pp ({self.pp}) > 1 needs a pipeline executor in the training loop: "
+                "mt-parallel's DualPipeVExecutor runs pp alone (not yet with FSDP, EP or CP) "
+                "and mt-train does not use it yet; use parallel.pp=1 (dp, cp and ep are "
+                "available)"
             )
         if self.dp < 1 and self.dp != -1:
             raise ValueError(f"parallel.dp ({self.dp}) must be >= 1, or -1 to fill the world")
