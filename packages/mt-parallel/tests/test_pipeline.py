@@ -10,9 +10,11 @@ Tolerances: all fp32 on the CPU. The executor runs each stage's ops on the same 
 one process, and each parameter's gradient accumulates over micro-batches in the same
 order (a chunk's W run in micro-batch order; the deferred dW is the g^T·x autograd's
 linear computes), so the results have been bitwise equal (worst errors 0.0 at pp = 1, 2
-and 4). The bounds leave room for a few fp32 ulps (eps 1.2e-7) of another matmul
-kernel's summation order, no more: a missing or doubled micro-batch, a dropped aux-loss
-gradient or a W flushed twice is off by far more (1e-3 and up).
+and 4), except a tied embedding at pp = 2 (5.7e-8): its embedding and head contributions
+come from two stages and add up across micro-batches in another order. The bounds leave
+room for such a reordering, a few fp32 ulps (eps 1.2e-7), no more: a missing or doubled
+micro-batch, a dropped aux-loss gradient or a W flushed twice is off by far more (1e-3
+and up; see the test that drops the aux-loss gradient).
 """
 
 from dataclasses import replace
@@ -109,6 +111,40 @@ def test_executor_refuses_stages_of_another_rank():
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_pp1_folded_v_matches_one_process(variant):
     compare_dualpipev(_qwen3(5, **VARIANTS[variant]), num_micro_batches=4, **SHAPES)
+
+
+def test_pp1_with_packed_documents_matches_one_process():
+    # Per-document positions [B, S] reach every stage's layers, not only the first.
+    compare_dualpipev(_qwen3(4), num_micro_batches=4, packed=True, **SHAPES)
+
+
+def _tampered_schedule(monkeypatch, change):
+    from mt_parallel import pipeline
+
+    original = pipeline.dualpipev_schedule
+    monkeypatch.setattr(pipeline, "dualpipev_schedule", lambda pp, m: change(original(pp, m)))
+
+
+def _one_step(model_config, num_micro_batches=4):
+    from mt_parallel.testing_pipeline import _build, _micro_batches
+
+    executor = DualPipeVExecutor(split_for_dualpipev(_build(model_config, 0), 0, 1), 0, 1)
+    mbs = _micro_batches(model_config.vocab_size, num_micro_batches, 2, 8, 0)
+    return executor.step(mbs, sum(int((mb.labels != -100).sum()) for mb in mbs))
+
+
+def test_executor_refuses_a_weight_gradient_run_twice(monkeypatch):
+    _tampered_schedule(monkeypatch, lambda s: [s[0] + [s[0][-1]]])  # the last W again
+    with pytest.raises(RuntimeError, match=r"W\d\[\d\] without a pending F/B \(run twice"):
+        _one_step(_qwen3(2))
+
+
+def test_executor_refuses_to_end_a_step_with_weight_gradients_queued(monkeypatch):
+    _tampered_schedule(monkeypatch, lambda s: [s[0][:-1]])  # the last W dropped
+    with pytest.raises(
+        RuntimeError, match=r"the step ended with work left: \['W\d\[\d\] \(\d+ pending"
+    ):
+        _one_step(_qwen3(2))
 
 
 def test_pp1_check_fails_when_the_aux_loss_gradient_is_dropped(monkeypatch):

@@ -13,7 +13,9 @@ Actions, for a (chunk, micro-batch):
 - ``BackwardInput``: backward from the next stage's input gradient (from the loss on the
   last stage), which computes the input gradients now and queues the weight gradients of
   the deferrable linears (``mt_ops.Linear`` swapped in by ``make_weight_grads_deferrable``,
-  and ``GroupedLinear``, the experts); hands the input gradient to the previous stage;
+  and ``GroupedLinear``, the experts); the other parameters (norms, router, embedding,
+  the head read by the fused cross-entropy) get their gradients here, as deferring them
+  would save little. Hands the input gradient to the previous stage;
 - ``BackwardWeight``: flushes that (chunk, micro-batch)'s queue into ``param.grad``;
 - ``Backward``: the two at once; ``ForwardBackward``: its forward, then its backward. Their
   overlap (one micro-batch's communication behind the other's compute) is still to come.
@@ -32,9 +34,10 @@ Communication. Each message has its own tag (kind, receiving stage, micro-batch,
 so the order of sends and receives between two ranks need not match. Sends are
 ``isend``s, waited for at the end of the step; receives block where their data is needed.
 A rank thus never waits on its own sends, which is the buffered-send model under which
-``pipeline_sim.simulate`` shows DualPipeV's order deadlock-free (a blocking gloo ``send``
-of a large tensor waits for its receive, and rank 0's forward to rank 1 can meet rank 1's
-forward to rank 0). NCCL ignores tags: running this on GPUs needs matched batched P2P.
+``pipeline_sim.simulate`` shows DualPipeV's order deadlock-free. Blocking sends would not
+do: a gloo ``send`` returns only once its receive is posted (seen here from 4 KB up), and
+with ``dist.send`` in place of ``isend`` the pp = 2 test hangs, two ranks each sending to
+the other. NCCL ignores tags: running this on GPUs needs matched batched P2P.
 
 Results. The loss sums live on rank 0; with pp > 1 rank 0 broadcasts its
 :class:`~mt_parallel.schedule.StepResult` over the pipeline group, so every rank returns
