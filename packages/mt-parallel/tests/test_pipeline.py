@@ -1,7 +1,8 @@
 """The DualPipeV executor: a split model runs one step to the one-process loss and gradients.
 
 Each comparison (`compare_dualpipev`) runs `run_microbatches` on a whole tiny Qwen3-MoE
-and the executor on the pipeline ranks' stages of a second copy, over the same global
+(DeepSeek-V2 and GPT-OSS too at pp = 1) and the executor on the pipeline ranks' stages of a
+second copy, over the same global
 batch (4-10 micro-batches, a few labels ignored), and asserts ce_sum and token counts,
 the aux loss and its terms within LOSS_TOL, every parameter gradient within GRAD_TOL,
 each (chunk, micro-batch)'s weight gradients flushed exactly once and none left queued.
@@ -22,7 +23,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from mt_models import build_model, qwen3_moe
+from mt_models import build_model, deepseek_v2, gpt_oss, qwen3_moe
 from mt_parallel.pipeline import DualPipeVExecutor
 from mt_parallel.pipeline_stages import rank_parameters, split_for_dualpipev, stage_layers
 from mt_parallel.testing import spawn
@@ -111,6 +112,26 @@ def test_executor_refuses_stages_of_another_rank():
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_pp1_folded_v_matches_one_process(variant):
     compare_dualpipev(_qwen3(5, **VARIANTS[variant]), num_micro_batches=4, **SHAPES)
+
+
+OTHER_FAMILIES = {
+    # MLA with q LoRA, first layer dense, shared expert, group-limited routing,
+    # per-sequence balancing.
+    "deepseek_v2": lambda: replace(deepseek_v2.debug(), vocab_size=256, num_hidden_layers=3),
+    # Sliding window shorter than the sequence, sinks, expert biases.
+    "gpt_oss": lambda: replace(
+        gpt_oss.debug(),
+        vocab_size=256,
+        num_hidden_layers=2,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+    ),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("family", OTHER_FAMILIES)
+def test_pp1_matches_one_process_for_the_other_families(family):
+    compare_dualpipev(OTHER_FAMILIES[family](), num_micro_batches=4, **SHAPES)
 
 
 def test_pp1_with_packed_documents_matches_one_process():
