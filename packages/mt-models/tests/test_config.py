@@ -155,3 +155,30 @@ def test_rope_scaling_values_of_the_wrong_type_are_refused_naming_them(scaling, 
     # fail when the model was built.
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(debug(), rope_scaling=scaling)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2", "gpt_oss"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_nan_or_infinite_float_field_is_refused_naming_it(family, bad):
+    # The range checks read 'value <= 0', which NaN passes: a NaN rms_norm_eps or rope_theta
+    # built a model that trained on NaN; an infinite coefficient is no JSON for config.json.
+    config = __import__(f"mt_models.{family}", fromlist=["debug"]).debug()
+    names = [f.name for f in dataclasses.fields(config) if type(getattr(config, f.name)) is float]
+    assert {"rms_norm_eps", "rope_theta", "initializer_range", "router_aux_loss_coef"} <= set(names)
+    for name in names:
+        with pytest.raises(ValueError, match=rf"^{name} \({bad}\) must be a finite number"):
+            dataclasses.replace(config, **{name: bad})
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["factor", "beta_fast", "beta_slow", "original_max_position_embeddings", "mscale"],
+)
+def test_a_nan_or_infinite_rope_scaling_number_is_refused_naming_it(name):
+    from mt_models.gpt_oss import debug as gpt_oss_debug
+
+    config = gpt_oss_debug()
+    for bad in (float("nan"), float("inf")):
+        scaling = {**config.rope_scaling, name: bad}
+        with pytest.raises(ValueError, match=rf"^rope_scaling {name} \({bad}\) must be a finite"):
+            dataclasses.replace(config, rope_scaling=scaling)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -342,7 +343,8 @@ def test_a_nan_or_infinite_number_anywhere_in_the_config_is_refused_naming_its_k
     # Each would train on NaN (or silently change the model) and print Infinity/NaN, which
     # is no JSON, into config.json and every checkpoint's train_state.json.
     value = override.partition("=")[2]
-    with pytest.raises(ValueError, match=rf"^{key} \({value}\) must be a finite number"):
+    message = rf"^{re.escape(key)} \({value}\) must be a finite number"
+    with pytest.raises(ValueError, match=message):
         resolve_config(get_recipe(recipe), overrides=[override])
     assert main(["pretrain", recipe, override, "--print-config"]) == 2
     assert capsys.readouterr().out == ""

@@ -5,6 +5,8 @@ switches (not written to a Hub ``config.json``): ``router_aux_loss_coef`` (a Hub
 Qwen3-MoE and GPT-OSS), ``aux_loss_type``, ``load_balancing`` and ``router_z_loss_coef``.
 """
 
+import dataclasses
+import math
 from typing import Any
 
 AUX_LOSS_TYPES = ("global", "sequence")
@@ -17,6 +19,17 @@ LOAD_BALANCING = ("pooled", "per_layer")
 
 # Our fields that are not Hub config.json keys; save_hf leaves them out.
 TRAINING_ONLY_FIELDS = ("aux_loss_type", "load_balancing", "router_z_loss_coef")
+
+
+def check_finite(config: Any) -> None:
+    """Raises ValueError naming the first float field that is NaN or infinite: the range
+    checks read ``value <= 0``, which NaN passes, and infinity is no JSON number."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(
+                f"{f.name} ({value}) must be a finite number (NaN and infinity are refused)"
+            )
 
 
 def check_positive(config: Any, names: list[str]) -> None:
@@ -78,6 +91,11 @@ def check_rope(config: Any) -> None:
         value = config.rope_scaling.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
             raise ValueError(f"rope_scaling {name} ({value!r}) must be a number")
+        if value is not None and not math.isfinite(value):  # NaN passes the checks below
+            raise ValueError(
+                f"rope_scaling {name} ({value}) must be a finite number (NaN and infinity "
+                "are refused)"
+            )
     truncate = config.rope_scaling.get("truncate", True)
     if not isinstance(truncate, bool):
         raise ValueError(f"rope_scaling truncate ({truncate!r}) must be true or false")

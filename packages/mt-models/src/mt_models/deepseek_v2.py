@@ -15,7 +15,7 @@ code renormalizes, transformers does not).
 from dataclasses import dataclass
 
 from mt_models.base import CausalLM
-from mt_models.configs import check_positive, check_rope, check_router_losses
+from mt_models.configs import check_finite, check_positive, check_rope, check_router_losses
 from mt_models.layers import (
     DecoderLayer,
     MLAAttention,
@@ -120,6 +120,7 @@ class DeepseekV2Config:
             "v_head_dim",
             "max_position_embeddings",
         ]
+        check_finite(self)
         check_positive(self, positive)
         if not 1 <= self.num_experts_per_tok <= self.n_routed_experts:
             raise ValueError(

@@ -13,7 +13,7 @@ MXFP4 ``_blocks``/``_scales``); canonical names split them per expert (``hf_io``
 from dataclasses import dataclass, field
 
 from mt_models.base import CausalLM
-from mt_models.configs import check_positive, check_rope, check_router_losses
+from mt_models.configs import check_finite, check_positive, check_rope, check_router_losses
 from mt_models.layers import (
     ClampedSwiGLUExperts,
     DecoderLayer,
@@ -110,6 +110,7 @@ class GptOssConfig:
             "num_local_experts",
             "max_position_embeddings",
         ]
+        check_finite(self)
         check_positive(self, positive)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(

@@ -11,7 +11,7 @@ it has a dense SwiGLU MLP of ``intermediate_size``.
 from dataclasses import dataclass
 
 from mt_models.base import CausalLM
-from mt_models.configs import check_positive, check_rope, check_router_losses
+from mt_models.configs import check_finite, check_positive, check_rope, check_router_losses
 from mt_models.layers import (
     DecoderLayer,
     GQAAttention,
@@ -100,6 +100,7 @@ class Qwen3MoeConfig:
             "decoder_sparse_step",
             "max_position_embeddings",
         ]
+        check_finite(self)
         check_positive(self, positive)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(

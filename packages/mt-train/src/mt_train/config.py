@@ -373,12 +373,7 @@ class JobConfig:
                 f"model ({type(self.model).__name__}) is not a known model family config; "
                 f"known: {sorted(MODEL_FAMILIES)}"
             )
-        non_finite = _first_non_finite(dataclasses.asdict(self))
-        if non_finite is not None:  # NaN trains on NaN; neither is JSON (config.json)
-            key, value = non_finite
-            raise ValueError(
-                f"{key} ({value}) must be a finite number (NaN and infinity are refused)"
-            )
+        _check_finite(dataclasses.asdict(self))
         if not self.run_dir:  # Path("") is the current directory
             raise ValueError(
                 f"run_dir ({self.run_dir!r}) is empty, which would put checkpoints and "
@@ -438,6 +433,9 @@ def _build(cls: type, values: dict[str, Any]) -> Any:
 def _build_model_config(cls: type, values: dict[str, Any]) -> Any:
     """Builds a family config; its errors name fields as the keys are written
     (``model.vocab_size (0) ...``; mt-models knows no ``model.`` section)."""
+    # Before mt-models does: a rope_scaling value is then model.rope_scaling.factor, the key
+    # an override writes (mt-models says 'rope_scaling factor').
+    _check_finite(values, "model")
     try:
         return cls(**values)
     except ValueError as err:
@@ -445,6 +443,15 @@ def _build_model_config(cls: type, values: dict[str, Any]) -> Any:
         first = text.split(" ", 1)[0]
         names = {f.name for f in dataclasses.fields(cls)}
         raise ValueError(f"model.{text}" if first in names else f"model: {text}") from None
+
+
+def _check_finite(data: Any, prefix: str = "") -> None:
+    """Raises ValueError naming the dotted key of the first NaN or infinite number in nested
+    plain data: NaN trains on NaN, and neither is JSON (config.json)."""
+    non_finite = _first_non_finite(data, prefix)
+    if non_finite is not None:
+        key, value = non_finite
+        raise ValueError(f"{key} ({value}) must be a finite number (NaN and infinity are refused)")
 
 
 def _first_non_finite(data: Any, prefix: str = "") -> tuple[str, float] | None:
