@@ -283,6 +283,35 @@ def test_a_warmup_as_long_as_the_run_warns_at_setup(tmp_path, caplog):
     assert "warmup_steps" not in caplog.text
 
 
+def test_a_seq_len_past_the_models_context_warns_at_setup_unless_rope_scaling_extends_it(
+    tmp_path, caplog
+):
+    # max_position_embeddings is the trained context a Hub config.json states (inference
+    # engines cut sequences to it); YaRN extends it to factor × original_max_position_embeddings.
+    from mt_train.train import setup
+
+    with caplog.at_level(logging.WARNING, logger="mt_train"):
+        setup(_cfg(tmp_path / "plain", "model.max_position_embeddings=48"))  # seq_len 64
+    assert "data.seq_len (64) is longer than the model's context, " \
+        "model.max_position_embeddings (48): " in caplog.text
+    assert "raise model.max_position_embeddings to 64 or lower data.seq_len to 48" in caplog.text
+    assert caplog.text.count("data.seq_len (64)") == 1
+    yarn = '{"rope_type": "yarn", "original_max_position_embeddings": 16, "factor": %s}'
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mt_train"):
+        setup(_cfg(tmp_path / "short", "model.max_position_embeddings=32",
+                   f"model.rope_scaling={yarn % 3.0}"))
+    assert "data.seq_len (64) is longer than the model's context, 48 (model.rope_scaling " \
+        "factor 3.0 × original_max_position_embeddings 16; model.max_position_embeddings " \
+        "32): " in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mt_train"):
+        setup(_cfg(tmp_path / "yarn", "model.max_position_embeddings=32",
+                   f"model.rope_scaling={yarn % 4.0}"))
+        setup(_cfg(tmp_path / "long", "model.max_position_embeddings=64"))
+    assert "seq_len" not in caplog.text
+
+
 @pytest.mark.parametrize(("key", "what"), [("vocab_size", "vocabulary size"), ("eos_id", "EOS id")])
 def test_a_validation_corpus_of_another_tokenizer_is_refused_before_the_model_is_built(
     tmp_path, monkeypatch, key, what

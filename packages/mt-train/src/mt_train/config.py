@@ -26,7 +26,9 @@ class DataConfig:
         path: a directory of `.bin`/`.idx` shards built by `mt-data build` (a leading ``~``
             is the home directory); empty means the embedded default corpus (the Python
             standard library sources).
-        seq_len: tokens per training sequence.
+        seq_len: tokens per training sequence; longer than the model's context
+            (model.max_position_embeddings, or what model.rope_scaling extends it to) warns
+            at setup.
         on_exhausted: "repeat" starts a new epoch with a new shuffle, "stop" ends
             the run when the data runs out.
         document_masking: attention stays inside each document of a packed sample and

@@ -27,6 +27,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from mt_data import DataExhausted, TokenDataset, default_corpus_dir
 from mt_models import build_model
+from mt_models.layers.rope import rope_type_of
 from mt_ops import FP8WeightCache
 from mt_parallel import (
     MicroBatch,
@@ -172,6 +173,7 @@ def setup(cfg: JobConfig) -> TrainState:
     check_batch_split(cfg.training.global_batch_size, cfg.training.micro_batch_size, dims)
     if env.is_main:
         _warn_if_all_warmup(cfg)
+        _warn_if_seq_len_exceeds_context(cfg)
     if cfg.data.path:
         data_dir = Path(cfg.data.path)
     else:  # one rank builds the embedded corpus, the others wait and read it
@@ -389,6 +391,40 @@ def _warn_if_all_warmup(cfg: JobConfig) -> None:
         training.lr,
         training.max_steps,
         training.max_steps // 10,
+    )
+
+
+def _warn_if_seq_len_exceeds_context(cfg: JobConfig) -> None:
+    """Warn when ``data.seq_len`` is longer than the model's context: its
+    ``max_position_embeddings``, or, with ``rope_scaling`` (YaRN, linear), ``factor`` ×
+    ``original_max_position_embeddings`` (``max_position_embeddings`` where the dict has
+    none, as `mt_models.layers.rope` reads it) when that is longer, as Qwen3's long-context
+    YaRN setting leaves ``max_position_embeddings`` at 40960. A warning, not an error: RoPE
+    computes any position, but a Hub config.json states the trained context there (inference
+    engines cut sequences to it), and weights from ``init_from`` never saw positions past it."""
+    seq_len, max_positions = cfg.data.seq_len, cfg.model.max_position_embeddings
+    context, why = max_positions, f"model.max_position_embeddings ({max_positions})"
+    scaling = cfg.model.rope_scaling or {}
+    factor = scaling.get("factor") if rope_type_of(scaling) != "default" else None
+    if factor is not None:
+        original = scaling.get("original_max_position_embeddings") or max_positions
+        if int(factor * original) > max_positions:
+            context = int(factor * original)
+            why = (
+                f"{context} (model.rope_scaling factor {factor} × original_max_position_embeddings "
+                f"{original}; model.max_position_embeddings {max_positions})"
+            )
+    if seq_len <= context:
+        return
+    log.warning(
+        "data.seq_len (%d) is longer than the model's context, %s: a Hub config.json states "
+        "the trained context there, inference engines cut sequences to it, and weights from "
+        "init_from never saw later positions; raise model.max_position_embeddings to %d or "
+        "lower data.seq_len to %d",
+        seq_len,
+        why,
+        seq_len,
+        context,
     )
 
 
