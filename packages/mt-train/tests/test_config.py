@@ -519,3 +519,44 @@ def test_a_toml_scalar_for_a_dict_field_the_recipe_sets_is_a_type_error(tmp_path
     with pytest.raises(ValueError, match=r"c.toml: model.rope_scaling = 3 has type int, expected "
                        r"dict \| None"):  # fmt: skip
         resolve_config(get_recipe("debug-gpt-oss"), toml_path=path)
+
+
+def test_path_options_written_with_an_equals_sign_expand_a_leading_tilde(
+    tmp_path, monkeypatch, capsys
+):
+    # '--config=~/x.toml' is one word, whose ~ no shell expands (only a word's first ~):
+    # the file was 'config file ~/x.toml does not exist'; so were --out, --hf, --checkpoint.
+    import argparse
+
+    import mt_train.cli
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "x.toml").write_text("seed = 7\n")
+    assert main(["pretrain", "tiny", "--config=~/x.toml", "--print-config"]) == 0
+    assert json.loads(capsys.readouterr().out)["seed"] == 7
+
+    def commands(parser, words):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield sub, [*words, name]
+                    yield from commands(sub, [*words, name])
+
+    checked = []
+    for sub, words in commands(mt_train.cli.build_parser(), []):
+        paths = [a for a in sub._actions if a.metavar in ("DIR", "FILE.toml") and a.option_strings]
+        if not paths:
+            continue
+        argv = [*words, *(f"{a.option_strings[0]}=~/{a.dest}" for a in paths)]
+        if "generate" in words:
+            argv += ["--prompt", "hi"]
+        args, _ = mt_train.cli.build_parser().parse_known_args(argv)
+        for action in paths:
+            value = getattr(args, action.dest)
+            value = value[0] if isinstance(value, list) else value  # --config appends
+            assert value == str(tmp_path / action.dest), (words, action.option_strings)
+            checked.append(f"{words[-1]} {action.option_strings[0]}")
+    assert sorted(checked) == [
+        "generate --checkpoint", "hf-to-mt --hf", "hf-to-mt --out", "mt-to-hf --checkpoint",
+        "mt-to-hf --out", "pretrain --config",
+    ]  # fmt: skip

@@ -6,7 +6,8 @@
     mt-train generate --checkpoint DIR --prompt TEXT [--max-new-tokens N] [--temperature T]
                       [--top-p P] [--seed N] [--device cpu|cuda|cuda:N]
 
-`python -m mt_train ...` is the same program.
+`python -m mt_train ...` is the same program. A path given as ``--out=~/x`` starts at
+the home directory, as ``--out ~/x`` does in a shell.
 """
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ def _recipe_lines() -> str:
     return "\n".join(lines)
 
 
+def _path(text: str) -> str:
+    """The argparse type of path options: a leading ``~`` is the home directory, as in the
+    config's paths (``--out=~/hf`` is one word, and a shell expands only a word's first ~)."""
+    return os.path.expanduser(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Returns the argument parser of `mt-train`."""
     parser = argparse.ArgumentParser(
@@ -70,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     pretrain.add_argument(
         "--config",
         action="append",
+        type=_path,
         metavar="FILE.toml",
         help="TOML file of config overrides, or a .json file as --print-config prints it "
         "(a run's config.json): passed back, it gives the same config",
@@ -87,10 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
     hf_to_mt = direction.add_parser(
         "hf-to-mt", help="Hugging Face directory -> model-only mt checkpoint (for init_from)"
     )
-    hf_to_mt.add_argument("--hf", required=True, metavar="DIR", help="Hugging Face directory")
+    hf_to_mt.add_argument(
+        "--hf", required=True, type=_path, metavar="DIR", help="Hugging Face directory"
+    )
     hf_to_mt.add_argument(
         "--out",
         required=True,
+        type=_path,
         metavar="DIR",
         help="checkpoint to write: a new or empty directory; an existing one with files is "
         "refused (written beside it and renamed when complete)",
@@ -101,10 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
     mt_to_hf = direction.add_parser(
         "mt-to-hf", help="mt checkpoint (a run's step_N or hf-to-mt output) -> Hugging Face"
     )
-    mt_to_hf.add_argument("--checkpoint", required=True, metavar="DIR", help="mt checkpoint")
+    mt_to_hf.add_argument(
+        "--checkpoint", required=True, type=_path, metavar="DIR", help="mt checkpoint"
+    )
     mt_to_hf.add_argument(
         "--out",
         required=True,
+        type=_path,
         metavar="DIR",
         help="directory to write: a new or empty directory; an existing one with files is "
         "refused (written beside it and renamed when complete)",
@@ -126,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Continue a prompt with a checkpoint's model (greedy by default; "
         "--temperature > 0 samples with top-p).",
     )
-    gen.add_argument("--checkpoint", required=True, metavar="DIR", help="mt checkpoint")
+    gen.add_argument("--checkpoint", required=True, type=_path, metavar="DIR", help="mt checkpoint")
     gen.add_argument("--prompt", required=True, metavar="TEXT", help="text to continue")
     gen.add_argument(
         "--max-new-tokens", type=int, default=64, metavar="N", help="tokens to add (default: 64)"
