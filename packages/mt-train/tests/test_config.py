@@ -560,3 +560,17 @@ def test_path_options_written_with_an_equals_sign_expand_a_leading_tilde(
         "generate --checkpoint", "hf-to-mt --hf", "hf-to-mt --out", "mt-to-hf --checkpoint",
         "mt-to-hf --out", "pretrain --config",
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize("blank", [" ", "\t", "  \n"])
+def test_a_blank_wandb_project_is_refused_naming_the_key(blank, tmp_path, capsys):
+    # W&B took project ' ' (an offline run was written under it, to fail when synced);
+    # '' is the documented way to turn W&B off.
+    message = rf"^metrics.wandb_project \({re.escape(repr(blank))}\) is blank"
+    with pytest.raises(ValueError, match=message):
+        resolve_config(get_recipe("tiny"), overrides=[f"metrics.wandb_project={blank}"])
+    toml = tmp_path / "blank.toml"
+    toml.write_text(f"[metrics]\nwandb_project = {json.dumps(blank)}\n")
+    assert main(["pretrain", "tiny", "--config", str(toml), "--print-config"]) == 2
+    assert "metrics.wandb_project=''" in capsys.readouterr().err
+    assert main(["pretrain", "tiny", "metrics.wandb_project=", "--print-config"]) == 0

@@ -259,6 +259,14 @@ class MetricsConfig:
     tensorboard: bool = False
     wandb_project: str = ""
 
+    def __post_init__(self) -> None:
+        if self.wandb_project and not self.wandb_project.strip():  # W&B takes ' ' offline
+            raise ValueError(
+                f"metrics.wandb_project ({self.wandb_project!r}) is blank; name a W&B project "
+                "(metrics.wandb_project=my-project) or turn W&B off with "
+                "metrics.wandb_project=''"
+            )
+
 
 @dataclass
 class ProfileConfig:
