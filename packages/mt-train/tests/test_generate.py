@@ -81,3 +81,25 @@ def test_generate_help_names_every_device_it_takes(capsys):
         main(["generate", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     assert "--device DEVICE cpu (default), cuda or cuda:N (the Nth GPU)" in help_text
+
+
+def test_a_checkpoint_that_cannot_be_read_is_one_line_naming_it_and_exit_1(
+    tmp_path, monkeypatch, capsys
+):
+    # An OSError (a name too long, a directory without read permission) was a traceback.
+    checkpoint = tmp_path / ("c" * 300)  # longer than a file name may be
+    assert main(["generate", "--checkpoint", str(checkpoint), "--prompt", "x"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("mt-train: error: OSError: [Errno ") and "File name too long" in err
+    assert err.endswith(f"; reading --checkpoint {checkpoint} or its tokenizer failed\n")
+    assert err.count("\n") == 1
+
+    def denied(checkpoint, *args, **kwargs):  # as a user other than root would meet it
+        raise PermissionError(13, "Permission denied", f"{checkpoint}/.metadata")
+
+    monkeypatch.setattr("mt_train.generate.generate", denied)
+    assert main(["generate", "--checkpoint", "ckpt", "--prompt", "x"]) == 1
+    assert capsys.readouterr().err == (
+        "mt-train: error: PermissionError: [Errno 13] Permission denied: 'ckpt/.metadata'; "
+        "reading --checkpoint ckpt or its tokenizer failed\n"
+    )

@@ -184,6 +184,13 @@ def _generate(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"mt-train: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # a directory without read permission, a failing disk
+        print(
+            f"mt-train: error: {type(err).__name__}: {err}; reading --checkpoint "
+            f"{args.checkpoint} or its tokenizer failed",
+            file=sys.stderr,
+        )
+        return 1
     print(text)
     return 0
 
