@@ -501,7 +501,7 @@ def test_a_second_config_file_is_refused_not_silently_dropping_the_first(tmp_pat
     ("recipe", "override", "rule"),
     [
         ("debug", "model.vocab_size=0", r"^model.vocab_size \(0\) must be >= 1"),
-        ("debug", "model.rope_theta=-1", r"^model.rope_theta \(-1.0\) and rms_norm_eps"),
+        ("debug", "model.rope_theta=-1", r"^model.rope_theta \(-1.0\) and model.rms_norm_eps"),
         ("debug-gpt-oss", "model.num_hidden_layers=2", r"^model.layer_types \(\['sliding"),
         ("debug-deepseek-v2", "model.topk_group=5", r"^model: group_limited_greedy needs"),
     ],
@@ -574,3 +574,38 @@ def test_a_blank_wandb_project_is_refused_naming_the_key(blank, tmp_path, capsys
     assert main(["pretrain", "tiny", "--config", str(toml), "--print-config"]) == 2
     assert "metrics.wandb_project=''" in capsys.readouterr().err
     assert main(["pretrain", "tiny", "metrics.wandb_project=", "--print-config"]) == 0
+
+
+@pytest.mark.parametrize(
+    ("recipe", "overrides", "message"),
+    [
+        ("debug", ["model.rope_theta=-1"],
+         "model.rope_theta (-1.0) and model.rms_norm_eps (1e-06) must be > 0"),
+        ("debug", ["model.num_key_value_heads=3"],
+         "model.num_key_value_heads (3) must divide model.num_attention_heads (4); choose a "
+         "divisor"),
+        ("debug", ["model.num_experts_per_tok=99"],
+         "model.num_experts_per_tok (99) must be in [1, model.num_experts=8]; lower the top-k "
+         "or add experts"),
+        ("debug-gpt-oss", ["model.num_hidden_layers=2"],
+         "for each of the 2 layers; after changing model.num_hidden_layers, set "
+         "model.layer_types again, or to None"),
+        ("debug-deepseek-v2", ["model.topk_group=5"],
+         "model: group_limited_greedy needs model.n_group (4) dividing model.n_routed_experts "
+         "(8) and model.topk_group (5) in [1, model.n_group]"),
+        ("debug-deepseek-v2", ["model.topk_group=1", "model.num_experts_per_tok=3"],
+         "(model.topk_group 1 of model.n_group 4 groups of 2); raise model.topk_group or lower "
+         "model.num_experts_per_tok"),
+        ("debug-deepseek-v2", ['model.rope_scaling={"rope_type": "yarn", "mscale_all_dim": 1}'],
+         "model.rope_scaling ({'rope_type': 'yarn', 'mscale_all_dim': 1}) sets mscale_all_dim "
+         "but no factor"),
+    ],
+)  # fmt: skip
+def test_every_model_field_a_model_config_error_names_is_spelled_as_the_key_is_written(
+    recipe, overrides, message
+):
+    # Only the first field had its model. prefix: 'must divide num_attention_heads (4)'
+    # named a key no override or --print-config spells so.
+    with pytest.raises(ValueError) as info:
+        resolve_config(get_recipe(recipe), overrides=overrides)
+    assert message in str(info.value)

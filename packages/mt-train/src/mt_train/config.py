@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -442,17 +443,18 @@ def _build(cls: type, values: dict[str, Any]) -> Any:
 
 def _build_model_config(cls: type, values: dict[str, Any]) -> Any:
     """Builds a family config; its errors name fields as the keys are written
-    (``model.vocab_size (0) ...``; mt-models knows no ``model.`` section)."""
+    (``model.num_key_value_heads (3) must divide model.num_attention_heads (4)``; mt-models
+    knows no ``model.`` section), and start ``model:`` when no field leads."""
     # Before mt-models does: a rope_scaling value is then model.rope_scaling.factor, the key
     # an override writes (mt-models says 'rope_scaling factor').
     _check_finite(values, "model")
     try:
         return cls(**values)
     except ValueError as err:
-        text = str(err)
-        first = text.split(" ", 1)[0]
-        names = {f.name for f in dataclasses.fields(cls)}
-        raise ValueError(f"model.{text}" if first in names else f"model: {text}") from None
+        names = "|".join(f.name for f in dataclasses.fields(cls))
+        # Every field the message names, not inside a word, a dotted key or a quoted value.
+        text = re.sub(rf"(?<![\w.'\"])({names})\b", r"model.\1", str(err))
+        raise ValueError(text if text.startswith("model.") else f"model: {text}") from None
 
 
 def _check_finite(data: Any, prefix: str = "") -> None:
