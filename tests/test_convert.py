@@ -435,6 +435,30 @@ def test_a_checkpoint_whose_corpus_tokenizer_is_not_found_is_an_error_not_anothe
         convert.training_tokenizer(checkpoint)
 
 
+@pytest.mark.parametrize("manifest", ["not json", "[1, 2]"])
+def test_a_run_corpus_manifest_that_is_no_json_object_is_an_error_naming_it(
+    tmp_path, mt_checkpoint, capsys, manifest
+):
+    # generate said 'Expecting value: line 1 column 1 (char 0)', naming no file, or (a JSON
+    # list) raised AttributeError: 'list' object has no attribute 'get'.
+    checkpoint = tmp_path / "step_00000002"
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "manifest.json").write_text(manifest)
+    _edited_copy(
+        mt_checkpoint, checkpoint, lambda state: state["config"].update(data={"path": str(corpus)})
+    )
+    shutil.copy(default_tokenizer_path(), checkpoint / "tokenizer.json")
+    argv = ["generate", "--checkpoint", str(checkpoint), "--prompt", "x", "--max-new-tokens", "1"]
+    for tokenizer_in_checkpoint in (True, False):  # the corpus's special ids, its tokenizer
+        if not tokenizer_in_checkpoint:
+            (checkpoint / "tokenizer.json").unlink()
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"mt-train: error: {corpus / 'manifest.json'}: "), err
+        assert err.count("\n") == 1
+
+
 def test_generate_puts_the_space_a_metaspace_tokenizer_decodes_between_prompt_and_new_text(
     tmp_path, mt_checkpoint, monkeypatch
 ):

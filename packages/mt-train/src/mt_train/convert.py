@@ -38,6 +38,7 @@ import torch.distributed.checkpoint as dcp
 from tqdm import tqdm
 
 from mt_data import default_tokenizer_path
+from mt_data.manifest import read_manifest
 from mt_data.tokenizer import SPECIAL_TOKEN_FILES, load_tokenizer
 from mt_models import (
     MODEL_FAMILIES,
@@ -149,7 +150,7 @@ def training_tokenizer(checkpoint: str | Path) -> Path | None:
     if not data.get("path"):
         return Path(default_tokenizer_path())
     manifest = Path(data["path"]) / "manifest.json"
-    named = json.loads(manifest.read_text()).get("tokenizer") if manifest.is_file() else None
+    named = (read_manifest(data["path"]) or {}).get("tokenizer")  # bad JSON: named
     if named and Path(named).is_file():
         return Path(named)
     if not manifest.is_file():
@@ -182,10 +183,9 @@ def training_special_ids(checkpoint: str | Path) -> tuple[int | None, int | None
     data = state.get("config", {}).get("data")
     if data is None:
         return None
-    manifest = Path(data["path"]) / "manifest.json" if data.get("path") else None
-    if manifest is None or not manifest.is_file():
+    facts = read_manifest(data["path"]) if data.get("path") else None
+    if facts is None:
         return None, None
-    facts = json.loads(manifest.read_text())
     eos_id, bos_id = facts.get("eos_id"), facts.get("bos_id")
     return (eos_id if type(eos_id) is int else None), (bos_id if type(bos_id) is int else None)
 
