@@ -482,8 +482,22 @@ def test_resuming_or_initializing_a_different_model_names_the_mismatch(tmp_path)
                       f"init_from={step}"))  # fmt: skip
     with pytest.raises(ValueError, match="holds .* model tensor.* this model lacks"):
         pretrain(_cfg(source, "training.max_steps=2", fewer_layers))
-    with pytest.raises(ValueError, match="has shape .* but the model gives .*model.\\* values"):
+    with pytest.raises(ValueError, match="has shape .* but the model gives .*override "
+                       "model.moe_intermediate_size=32, or use a new run_dir"):  # fmt: skip
         pretrain(_cfg(source, "training.max_steps=2", "model.moe_intermediate_size=16"))
+
+
+def test_resuming_a_different_model_names_the_config_keys_that_change_its_tensors(tmp_path):
+    pretrain(_cfg(tmp_path, "training.max_steps=1"))
+    # rope_theta changes no tensor and may change on resume; vocab_size and num_experts
+    # change tensors: the error names those two with the checkpoint's values, not rope_theta.
+    with pytest.raises(ValueError) as err:
+        pretrain(_cfg(tmp_path, "training.max_steps=2", "model.vocab_size=5000",
+                      "model.num_experts=16", "model.rope_theta=500.0"))  # fmt: skip
+    message = str(err.value)
+    assert "num_experts (8 there, 16 here), vocab_size (4096 there, 5000 here)" in message
+    assert "override model.num_experts=8 model.vocab_size=4096" in message
+    assert "rope_theta" not in message
 
 
 def test_resuming_with_a_recipe_of_another_model_family_names_the_family_and_its_recipes(

@@ -505,7 +505,10 @@ class AsyncCheckpointer:
 
 
 def load_checkpoint(
-    checkpoint: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer
+    checkpoint: Checkpoint,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    fix: str | None = None,
 ) -> dict[str, Any]:
     """Loads a checkpoint in place into `model` and `optimizer` and restores RNG state.
 
@@ -515,18 +518,19 @@ def load_checkpoint(
         checkpoint: a complete checkpoint.
         model: the model to load into.
         optimizer: the optimizer to load into.
+        fix: ends the error of tensors that do not fit the model (None: resume with the
+            checkpoint's model.* values).
 
     Returns:
         The checkpoint's JSON train state.
     """
+    if fix is None:
+        fix = (
+            "resume with the checkpoint's model.* values (its train_state.json has them) or "
+            "use a new run_dir"
+        )
     tensors = _Tensors(model, optimizer).tensors
-    _check_and_load(
-        checkpoint.path,
-        tensors,
-        "resume with the checkpoint's model.* values (its train_state.json has them) or use "
-        "a new run_dir",
-        damaged_run_checkpoint_fix(checkpoint.path),
-    )
+    _check_and_load(checkpoint.path, tensors, fix, damaged_run_checkpoint_fix(checkpoint.path))
     if "optim/step" in tensors:
         for state in optimizer.state.values():
             if state:

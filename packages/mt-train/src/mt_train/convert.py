@@ -635,5 +635,33 @@ def init_config_differences(source: Any, model_config: Any) -> dict[str, tuple[A
     return differences
 
 
+def tensor_config_differences(source: Any, model_config: Any) -> dict[str, tuple[Any, Any]]:
+    """The `init_config_differences` that change the model's tensors: each field whose
+    source value alone, put into `model_config`, changes a tensor's key or shape (all of
+    them when no single field does, as when two change together).
+
+    Args:
+        source: a checkpoint's or `init_from` source's model config.
+        model_config: the run's model config.
+
+    Returns:
+        Field → (the source's value, the run's value); empty when the tensors agree.
+    """
+    differences = init_config_differences(source, model_config)
+    ours = _tensor_shapes(model_config)
+    if not differences or _tensor_shapes(source) == ours:
+        return {}
+    changing = {}
+    for key, values in differences.items():
+        try:
+            reverted = dataclasses.replace(model_config, **{key: getattr(source, key)})
+        except (ValueError, TypeError):  # valid only beside the source's other values
+            changing[key] = values
+            continue
+        if _tensor_shapes(reverted) != ours:
+            changing[key] = values
+    return changing or differences
+
+
 def _layer_windows(config: GptOssConfig) -> list[int | None]:
     return [config.window(i) for i in range(config.num_hidden_layers)]

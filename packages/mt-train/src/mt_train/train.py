@@ -54,6 +54,7 @@ from mt_train.convert import (
     init_config_differences,
     init_from_weights,
     shell_override,
+    tensor_config_differences,
 )
 from mt_train.distributed import Env, all_reduce, failing_together, init_distributed
 from mt_train.faults import (
@@ -454,7 +455,9 @@ def _resume(state: TrainState, checkpoint) -> None:
         # as the training order is), not a changed `seed`: else val_loss jumps at the resume.
         state.val_dataset.load_state_dict({**state.val_start, "seed": state.dataset.seed})
         state.val_start = state.val_dataset.state_dict()
-    saved = load_checkpoint(checkpoint, state.model, state.optimizer)
+    saved = load_checkpoint(
+        checkpoint, state.model, state.optimizer, _resume_fix(saved_state["config"], state.cfg)
+    )
     if state.fp8_cache is not None:
         state.fp8_cache.invalidate()  # the weights were overwritten in place
     state.step = saved["step"]
@@ -515,6 +518,30 @@ def _warn_if_micro_batches_regroup_the_balancing_loss(
         "(any layout whose dp*ep divides it)",
         key, old.get(key), new.get(key), coef, state.step + 1, old.get(key), key, old.get(key),
     )  # fmt: skip
+
+
+def _resume_fix(saved_config: Any, cfg: JobConfig) -> str | None:
+    """The end of the error of a checkpoint whose tensors do not fit the run's model: the
+    model.* overrides that give the checkpoint's tensors back (`tensor_config_differences`:
+    not a changed rope_theta, which a resume may change), with their values; None when
+    the configs do not tell (`load_checkpoint`'s own fix)."""
+    try:
+        saved_model = type(cfg.model)(**saved_config["model"])
+    except (KeyError, TypeError, ValueError):  # a config this version cannot build
+        return None
+    differences = tensor_config_differences(saved_model, cfg.model)
+    if not differences:
+        return None
+    return (
+        "the run's model config differs from the checkpoint's in "
+        + ", ".join(
+            f"{k} ({json.dumps(v[0])} there, {json.dumps(v[1])} here)"
+            for k, v in differences.items()
+        )
+        + ": to resume it, override "
+        + " ".join(shell_override(f"model.{k}", v[0]) for k, v in differences.items())
+        + ", or use a new run_dir"
+    )
 
 
 def _check_same_family(checkpoint, saved_config: Any, cfg: JobConfig) -> None:
