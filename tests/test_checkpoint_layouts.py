@@ -1,10 +1,11 @@
 """A run saved under one layout continues under another as if never interrupted.
 
-For the DeepSeek-V2 and GPT-OSS debug recipes (short sequences), one process trains 4 steps as the
-reference. Two gloo ranks train the same run to step 2 under one layout, save, and resume
+For the debug recipes of the three families (short sequences), one process trains 4 steps as
+the reference. Two gloo ranks train the same run to step 2 under one layout, save, and resume
 it under another to step 4: GPT-OSS from dp = 2 (experts split by FSDP2) to ep = 2,
-DeepSeek-V2 from ep = 2 to cp = 2 (every expert on both ranks, sequences split). The
-step-4 checkpoints must agree: every parameter and both AdamW moments of every
+DeepSeek-V2 from ep = 2 to cp = 2 (every expert on both ranks, sequences split); Qwen3-MoE
+saved under ep = 2 resumes in one process (another world size, no sharding). The step-4
+checkpoints must agree: every parameter and both AdamW moments of every
 canonical tensor (each expert by its global id) within reduction-order noise, AdamW's
 step count and the data loader's position exactly, and every step's loss.
 """
@@ -26,10 +27,11 @@ from mt_train.train import pretrain
 
 pytestmark = pytest.mark.slow
 
-# (recipe, saved layout, resumed layout)
+# (recipe, saved layout, resumed layout; None: in one process)
 CASES = [
     ("debug-gpt-oss", ["parallel.dp=2"], ["parallel.ep=2"]),
     ("debug-deepseek-v2", ["parallel.ep=2"], ["parallel.cp=2"]),
+    ("debug", ["parallel.ep=2"], None),
 ]
 # Small runs whose LR changes every step (warm-up, then cosine decay to step 4).
 RUN = [
@@ -51,8 +53,13 @@ def _save_then_resume(root: str) -> None:
     for recipe, saved, resumed in CASES:
         run_dir = Path(root) / recipe
         pretrain(_cfg(recipe, run_dir, *saved, "training.max_steps=2"))
-        state = pretrain(_cfg(recipe, run_dir, *resumed))
-        assert len(state.losses) == 2, f"{recipe}: the resumed run must start at step 3"
+        if resumed is not None:
+            _resume(recipe, run_dir, resumed)
+
+
+def _resume(recipe: str, run_dir: Path, layout: list[str]) -> None:
+    state = pretrain(_cfg(recipe, run_dir, *layout))
+    assert len(state.losses) == 2, f"{recipe}: the resumed run must start at step 3"
 
 
 def _final(run_dir: Path) -> tuple[dict[str, torch.Tensor], dict, list[float]]:
@@ -72,10 +79,13 @@ def test_a_run_resumed_under_another_layout_ends_with_the_one_process_weights_an
         pretrain(_cfg(recipe, tmp_path / "reference" / recipe))
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
     spawn(_save_then_resume, 2, str(tmp_path / "layouts"))
+    for recipe, _, resumed in CASES:
+        if resumed is None:
+            _resume(recipe, tmp_path / "layouts" / recipe, [])
     for recipe, saved, resumed in CASES:
         ref_tensors, ref_data, ref_losses = _final(tmp_path / "reference" / recipe)
         tensors, data, losses = _final(tmp_path / "layouts" / recipe)
-        case = f"{recipe} {saved} -> {resumed}"
+        case = f"{recipe} {saved} -> {resumed or 'one process'}"
         assert data == ref_data, case
         assert len(losses) == len(ref_losses) == 4
         for step, (got, want) in enumerate(zip(losses, ref_losses, strict=True), start=1):
