@@ -236,6 +236,39 @@ def test_hf_to_mt_interrupted_after_writing_leaves_no_out_and_no_temporary(tmp_p
     assert _siblings(tmp_path / "hf") == ["hf"], "no out and no .tmp-mt of a whole model"
 
 
+@pytest.mark.parametrize("second", ["mt-to-hf", "hf-to-mt"])
+def test_a_conversion_into_an_out_another_is_writing_is_refused_and_the_first_completes(
+    tmp_path, mt_checkpoint, monkeypatch, second
+):
+    # Two conversions into one --out at once (a launch script that every node runs): the
+    # second took over the first's .tmp-<out> (deleted it, wrote its own files there) and
+    # the two renamed a mixture into place, or the first failed on its vanished directory.
+    hf = mt_to_hf(mt_checkpoint, tmp_path / "source_hf")
+    out = tmp_path / "out"
+    real_save = convert.save_hf_tensors
+    refused = []
+
+    def save_while_another_starts(*args, **kwargs):
+        if not refused:  # the first conversion's save (and only once: no recursion)
+            refused.append("not refused")
+            with pytest.raises(ValueError) as err:
+                if second == "mt-to-hf":
+                    mt_to_hf(mt_checkpoint, out)
+                else:
+                    convert.hf_to_mt(hf, out)
+            refused[0] = str(err.value)
+        real_save(*args, **kwargs)
+
+    monkeypatch.setattr(convert, "save_hf_tensors", save_while_another_starts)
+    assert mt_to_hf(mt_checkpoint, out) == out
+    assert len(refused) == 1
+    assert f"--out {out} is being written by another conversion (pid {os.getpid()}" in refused[0]
+    assert _hf_tensors(out).keys() == _hf_tensors(hf).keys()
+    for key, tensor in _hf_tensors(hf).items():
+        assert torch.equal(_hf_tensors(out)[key], tensor), key
+    assert _siblings(out) == ["out", "source_hf"], "no lock or temporary directory is left"
+
+
 def test_mt_to_hf_never_allocates_a_model(tmp_path, mt_checkpoint, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("mt_to_hf materialized a model (to_empty)")

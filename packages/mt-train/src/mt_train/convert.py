@@ -13,18 +13,21 @@ Conversion goes through `mt_models.load_hf` / `save_hf`'s writer, so keys and GP
 stacked expert layout are theirs; MXFP4 originals come back dequantized. Both directions
 write beside ``--out`` and rename when complete, so a failure leaves no partial ``--out``;
 the files are flushed to disk before the rename and the rename after it (a power loss
-leaves no ``--out`` with empty files). With ``progress``, each phase (reading, writing)
+leaves no ``--out`` with empty files). A conversion holds its ``--out`` until then: a
+second one into it is refused. With ``progress``, each phase (reading, writing)
 draws a bar on stderr.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import os
 import re
 import shlex
 import shutil
+import socket
 import sys
 import warnings
 from collections.abc import Iterator
@@ -213,6 +216,50 @@ def _check_out(out_dir: Path) -> Path:
     return out_dir
 
 
+@contextmanager
+def _holding_out(out_dir: str | Path) -> Iterator[Path]:
+    """Checks `out_dir` (`_check_out`) and holds it for this conversion; yields it absolute.
+
+    The hold is an exclusive `flock` on ``.tmp-<name>.lock`` beside it, which says who
+    holds it and is removed at the end: a second conversion into the same ``--out`` (a
+    launch script that every node runs, a command started twice) is refused, instead of
+    deleting the first one's ``.tmp-<name>``, writing its own files there and renaming a
+    mixture into place. Under the hold, a ``.tmp-<name>`` is what a crashed conversion
+    left, removed before writing.
+    """
+    out_dir = _check_out(Path(out_dir))
+    path = out_dir.with_name(f".tmp-{out_dir.name}.lock")
+    while True:
+        lock = open(path, "a+")  # noqa: SIM115 (held until the conversion ends)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "holder unknown"
+            lock.close()
+            raise ValueError(
+                f"--out {out_dir} is being written by another conversion ({holder}); wait "
+                "for it to end, or choose another --out"
+            ) from None
+        except OSError:  # a filesystem without flock: unguarded
+            break
+        try:  # a conversion that ended removed the file we locked: lock the new one
+            if os.stat(path).st_ino == os.fstat(lock.fileno()).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        lock.close()
+    try:
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        lock.flush()
+        yield _check_out(out_dir)  # again: another conversion may have filled it meanwhile
+    finally:
+        path.unlink(missing_ok=True)  # while held: the next conversion opens a new file
+        lock.close()
+
+
 def hf_to_mt(hf_dir: str | Path, out_dir: str | Path, progress: bool = False) -> Path:
     """Writes a model-only mt checkpoint from a Hugging Face directory.
 
@@ -230,32 +277,38 @@ def hf_to_mt(hf_dir: str | Path, out_dir: str | Path, progress: bool = False) ->
         raise ValueError(
             f"--hf {hf_dir} is not a Hugging Face directory (config.json + *.safetensors)"
         )
-    out_dir = _check_out(out_dir)
-    with _bar(progress, f"reading {hf_dir}", "tensor") as update:
-        model = load_hf(hf_dir, progress=update)
-    family = next(n for n, (_, cls) in MODEL_FAMILIES.items() if type(model) is cls)
-    tensors = {f"model/{k}": v.detach() for k, v in model.canonical_parameters().items()}
-    tmp = out_dir.with_name(f".tmp-{out_dir.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        with _bar(progress, f"writing {out_dir}", "B") as update, warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save(tensors, checkpoint_id=tmp)  # one call: the bar moves when it is done
-            if update is not None:
-                update(total, total)
-        config = json.loads(json.dumps({"model_family": family, "model": _asdict(model.config)}))
-        state = {"format_version": FORMAT_VERSION, "step": 0, "model_only": True, "config": config}
-        (tmp / _STATE_FILE).write_text(json.dumps(state, indent=2))
-        _copy_tokenizer_files(hf_dir, tmp)
-        if out_dir.exists():
-            out_dir.rmdir()  # empty, checked above
-        _rename_durably(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # a whole model's worth of bytes
-        raise
-    return out_dir
+    with _holding_out(out_dir) as out_dir:
+        with _bar(progress, f"reading {hf_dir}", "tensor") as update:
+            model = load_hf(hf_dir, progress=update)
+        family = next(n for n, (_, cls) in MODEL_FAMILIES.items() if type(model) is cls)
+        tensors = {f"model/{k}": v.detach() for k, v in model.canonical_parameters().items()}
+        tmp = out_dir.with_name(f".tmp-{out_dir.name}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            with _bar(progress, f"writing {out_dir}", "B") as update, warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.save(tensors, checkpoint_id=tmp)  # one call: the bar moves when done
+                if update is not None:
+                    update(total, total)
+            saved = {"model_family": family, "model": _asdict(model.config)}
+            config = json.loads(json.dumps(saved))
+            state = {
+                "format_version": FORMAT_VERSION,
+                "step": 0,
+                "model_only": True,
+                "config": config,
+            }
+            (tmp / _STATE_FILE).write_text(json.dumps(state, indent=2))
+            _copy_tokenizer_files(hf_dir, tmp)
+            if out_dir.exists():
+                out_dir.rmdir()  # empty, checked above
+            _rename_durably(tmp, out_dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # a whole model's worth of bytes
+            raise
+        return out_dir
 
 
 @contextmanager
@@ -423,36 +476,36 @@ def mt_to_hf(
         The output directory.
     """
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
-    out_dir = _check_out(out_dir)
-    tokenizer = training_tokenizer(checkpoint)  # before the slow reading
-    with _bar(progress, f"reading {checkpoint}", "B") as update:
-        model_config, canonical = read_mt_checkpoint(checkpoint, update)
-    family = next(n for n, (cls, _) in MODEL_FAMILIES.items() if isinstance(model_config, cls))
-    with torch.device("meta"):
-        targets = MODEL_FAMILIES[family][1](model_config).canonical_parameters()
-    _check_checkpoint_keys(checkpoint, canonical, targets)
-    dtype = canonical["model.embed_tokens.weight"].dtype  # config.json's
-    tmp = out_dir.with_name(f".tmp-{out_dir.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        with _bar(progress, f"writing {out_dir}", "B") as update:
-            save_hf_tensors(family, model_config, canonical, tmp, max_shard_size, dtype, update)
-        _copy_tokenizer_files(checkpoint, tmp)
-        if tokenizer is not None and not (tmp / "tokenizer.json").exists():
-            shutil.copy2(tokenizer, tmp / "tokenizer.json")
-            for name in SPECIAL_TOKEN_FILES:  # where mt-data read its EOS and BOS
-                beside = tokenizer.parent / name
-                if beside.is_file() and not (tmp / name).exists():
-                    shutil.copy2(beside, tmp / name)
-        _add_special_token_ids(tmp, (training_special_ids(checkpoint) or (None, None))[0])
-        if out_dir.exists():
-            out_dir.rmdir()  # empty, checked above
-        _rename_durably(tmp, out_dir)
-    except BaseException:
+    with _holding_out(out_dir) as out_dir:
+        tokenizer = training_tokenizer(checkpoint)  # before the slow reading
+        with _bar(progress, f"reading {checkpoint}", "B") as update:
+            model_config, canonical = read_mt_checkpoint(checkpoint, update)
+        family = next(n for n, (cls, _) in MODEL_FAMILIES.items() if isinstance(model_config, cls))
+        with torch.device("meta"):
+            targets = MODEL_FAMILIES[family][1](model_config).canonical_parameters()
+        _check_checkpoint_keys(checkpoint, canonical, targets)
+        dtype = canonical["model.embed_tokens.weight"].dtype  # config.json's
+        tmp = out_dir.with_name(f".tmp-{out_dir.name}")
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with _bar(progress, f"writing {out_dir}", "B") as update:
+                save_hf_tensors(family, model_config, canonical, tmp, max_shard_size, dtype, update)
+            _copy_tokenizer_files(checkpoint, tmp)
+            if tokenizer is not None and not (tmp / "tokenizer.json").exists():
+                shutil.copy2(tokenizer, tmp / "tokenizer.json")
+                for name in SPECIAL_TOKEN_FILES:  # where mt-data read its EOS and BOS
+                    beside = tokenizer.parent / name
+                    if beside.is_file() and not (tmp / name).exists():
+                        shutil.copy2(beside, tmp / name)
+            _add_special_token_ids(tmp, (training_special_ids(checkpoint) or (None, None))[0])
+            if out_dir.exists():
+                out_dir.rmdir()  # empty, checked above
+            _rename_durably(tmp, out_dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return out_dir
 
 
 def _add_special_token_ids(directory: Path, eos_id: int | None = None) -> None:
