@@ -425,6 +425,29 @@ def test_a_fresh_run_into_a_run_dir_with_checkpoints_is_refused(tmp_path):
     assert _steps(tmp_path) == [2]
 
 
+def test_a_checkpoint_or_checkpoints_directory_given_as_run_dir_is_refused_naming_the_run(
+    tmp_path, monkeypatch
+):
+    # A user who means "resume from step 2" gives its directory: that started a new run from
+    # step 0 in it (its config.json, metrics and checkpoints among the checkpoint's files).
+    run = tmp_path / "run"
+    pretrain(_cfg(run, "training.max_steps=2", "checkpoint.interval=1"))
+    step = checkpoint_root(run) / "step_00000002"
+    before = sorted(p for p in run.rglob("*") if p.name != ".lock")
+    monkeypatch.chdir(tmp_path)  # a relative run_dir, as typed
+    for given in (step, checkpoint_root(run), Path("run/checkpoints/step_00000002")):
+        with pytest.raises(ValueError) as err:
+            pretrain(_cfg(given, "training.max_steps=3"))
+        message = str(err.value)
+        assert message.startswith(f"run_dir ({str(given)!r}) is ")
+        assert f"to resume that run, give run_dir={run}" in message
+    with pytest.raises(ValueError, match="to start a new run from its weights, give "
+                       f"init_from={step} and a new run_dir"):  # fmt: skip
+        pretrain(_cfg(step, "training.max_steps=3"))
+    assert sorted(p for p in run.rglob("*") if p.name != ".lock") == before, "nothing written"
+    assert pretrain(_cfg(run, "training.max_steps=3")).losses  # the run itself resumes
+
+
 def _crash_in_step(monkeypatch, step, message):
     """Makes training step `step` raise RuntimeError(message) before it runs."""
     real_step = train_module.train_step

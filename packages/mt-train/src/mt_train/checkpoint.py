@@ -169,6 +169,12 @@ def _delete_checkpoint(path: Path) -> None:
     shutil.rmtree(doomed)
 
 
+def is_checkpoint(path: Path) -> bool:
+    """Whether `path` holds a complete checkpoint's two last-written files (``.metadata``
+    and ``train_state.json``): a run's ``step_N`` or a model-only one."""
+    return (path / _STATE_FILE).is_file() and (path / ".metadata").is_file()
+
+
 def list_checkpoints(root: str | Path) -> list[Checkpoint]:
     """Returns the complete checkpoints under `root`, oldest first.
 
@@ -183,7 +189,7 @@ def list_checkpoints(root: str | Path) -> list[Checkpoint]:
     for entry in root.iterdir():
         replaced = entry.name.startswith(_REPLACED)
         match = _STEP_DIR.match(entry.name.removeprefix(_REPLACED))
-        if match and (entry / _STATE_FILE).is_file() and (entry / ".metadata").is_file():
+        if match and is_checkpoint(entry):
             step = int(match.group(1))
             if not replaced or not (root / match.group(0)).exists():
                 found[step] = Checkpoint(path=entry, step=step)

@@ -44,6 +44,7 @@ from mt_train.checkpoint import (
     AsyncCheckpointer,
     checkpoint_root,
     clear_leftovers,
+    is_checkpoint,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
@@ -157,6 +158,7 @@ def setup(cfg: JobConfig) -> TrainState:
     run_dir = Path(cfg.run_dir)
     if run_dir.exists() and not run_dir.is_dir():  # checked before the slow setup below
         raise ValueError(f"run_dir ({cfg.run_dir!r}) is a file; choose a directory path")
+    _refuse_a_checkpoint_as_run_dir(cfg.run_dir)
     if cfg.init_from and latest_checkpoint(checkpoint_root(run_dir)) is None:
         _init_source_kind(Path(cfg.init_from))  # a wrong path fails before anything is built
     if cfg.training.num_threads:
@@ -234,6 +236,31 @@ def setup(cfg: JobConfig) -> TrainState:
             state.run_lock = None
         raise
     return state
+
+
+def _refuse_a_checkpoint_as_run_dir(run_dir: str) -> None:
+    """Raises when `run_dir` is a checkpoint (a run's ``step_N``, a model-only one) or a
+    run's ``checkpoints/`` directory: whoever gives one means to resume from it or start
+    from its weights, and would get a new run from step 0 written in among its files."""
+    path = Path(os.path.abspath(run_dir))
+    if is_checkpoint(path):
+        if path.parent.name != "checkpoints":  # a model-only one, or one moved out of its run
+            what = "a checkpoint, not a run directory"
+        else:
+            run = path.parent.parent
+            what = (
+                f"the checkpoint {path.name} of the run in {run}, not a run directory: to "
+                f"resume that run, give run_dir={run} (it resumes from its newest checkpoint)"
+            )
+        raise ValueError(
+            f"run_dir ({run_dir!r}) is {what}; to start a new run from its weights, give "
+            f"init_from={path} and a new run_dir"
+        )
+    if latest_checkpoint(path) is not None and latest_checkpoint(checkpoint_root(path)) is None:
+        raise ValueError(
+            f"run_dir ({run_dir!r}) is the checkpoints directory of the run in {path.parent}: "
+            f"to resume that run, give run_dir={path.parent}"
+        )
 
 
 def _open_datasets(
