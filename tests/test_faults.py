@@ -448,6 +448,31 @@ def test_a_checkpoint_or_checkpoints_directory_given_as_run_dir_is_refused_namin
     assert pretrain(_cfg(run, "training.max_steps=3")).losses  # the run itself resumes
 
 
+def test_a_run_dir_whose_config_json_is_not_a_runs_is_refused_and_left_untouched(tmp_path):
+    # A Hugging Face model directory given as run_dir (meant: start from it), or any
+    # directory with a config.json of its own: a new run overwrote it with the run's.
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "qwen3_moe"}')
+    (hf / "model.safetensors").write_bytes(b"")
+    other = tmp_path / "project"
+    other.mkdir()
+    (other / "config.json").write_text('{"name": "something else"}')
+    for run_dir, fix in ((hf, f"give init_from={hf} and a new run_dir"),
+                         (other, "choose another run_dir")):  # fmt: skip
+        before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
+        with pytest.raises(ValueError, match=f"run_dir .*{run_dir.name}.* holds a config.json "
+                           f"mt-train did not write.*{re.escape(fix)}"):  # fmt: skip
+            pretrain(_cfg(run_dir, "training.max_steps=1"))
+        assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before
+    # A run that stopped before its first checkpoint left its own config.json: a rerun is
+    # a fresh run there, as before.
+    run = tmp_path / "run"
+    pretrain(_cfg(run, "training.max_steps=1", "checkpoint.interval=0"))
+    shutil.rmtree(checkpoint_root(run))
+    assert pretrain(_cfg(run, "training.max_steps=1")).step == 1
+
+
 def _crash_in_step(monkeypatch, step, message):
     """Makes training step `step` raise RuntimeError(message) before it runs."""
     real_step = train_module.train_step

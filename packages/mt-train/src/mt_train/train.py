@@ -54,6 +54,7 @@ from mt_train.convert import (
     _init_source_kind,
     init_config_differences,
     init_from_weights,
+    is_hf_dir,
     shell_override,
     tensor_config_differences,
 )
@@ -159,6 +160,7 @@ def setup(cfg: JobConfig) -> TrainState:
     if run_dir.exists() and not run_dir.is_dir():  # checked before the slow setup below
         raise ValueError(f"run_dir ({cfg.run_dir!r}) is a file; choose a directory path")
     _refuse_a_checkpoint_as_run_dir(cfg.run_dir)
+    _refuse_a_foreign_config_json(cfg.run_dir)
     if cfg.init_from and latest_checkpoint(checkpoint_root(run_dir)) is None:
         _init_source_kind(Path(cfg.init_from))  # a wrong path fails before anything is built
     if cfg.training.num_threads:
@@ -261,6 +263,32 @@ def _refuse_a_checkpoint_as_run_dir(run_dir: str) -> None:
             f"run_dir ({run_dir!r}) is the checkpoints directory of the run in {path.parent}: "
             f"to resume that run, give run_dir={path.parent}"
         )
+
+
+def _refuse_a_foreign_config_json(run_dir: str) -> None:
+    """Raises when `run_dir` holds a config.json that no mt-train run wrote (a Hugging Face
+    model directory, another project's): a run replaces it with its own."""
+    path = Path(run_dir) / "config.json"
+    if not path.is_file():
+        return
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        saved = None
+    if isinstance(saved, dict) and "model_family" in saved and "training" in saved:
+        return
+    if is_hf_dir(run_dir):
+        whose = " (a Hugging Face model's)"
+        fix = (
+            f"to start a new run from its weights, give init_from={os.path.abspath(run_dir)} "
+            "and a new run_dir"
+        )
+    else:
+        whose, fix = "", "choose another run_dir"
+    raise ValueError(
+        f"run_dir ({run_dir!r}) holds a config.json mt-train did not write{whose}, which a run "
+        f"would replace with its own; {fix}"
+    )
 
 
 def _open_datasets(
