@@ -945,6 +945,33 @@ def test_a_run_directory_given_for_a_checkpoint_is_told_apart_naming_its_newest_
             setup(resolve_config(get_recipe("tiny"), overrides=overrides))
 
 
+def test_a_checkpoint_of_the_other_format_is_named_with_the_conversion_that_reads_it(
+    tmp_path, mt_checkpoint, capsys
+):
+    # A Hugging Face directory where an mt checkpoint is wanted (mt-to-hf, generate), and an
+    # mt checkpoint or run directory where a Hugging Face one is (hf-to-mt): say which it is.
+    hf = mt_checkpoint.parent / "hf"
+    for argv in (
+        ["convert", "mt-to-hf", "--checkpoint", str(hf), "--out", str(tmp_path / "o")],
+        ["generate", "--checkpoint", str(hf), "--prompt", "x"],
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"{hf} is a Hugging Face directory, not an mt checkpoint; make one with " \
+            f"`mt-train convert hf-to-mt --hf {hf} --out DIR`" in err, err
+    run = tmp_path / "run"
+    shutil.copytree(mt_checkpoint, run / "checkpoints" / "step_00000002")
+    newest = run / "checkpoints" / "step_00000002"
+    for given, what in ((mt_checkpoint, f"{mt_checkpoint} is an mt checkpoint"),
+                        (run, f"{run} is a run's directory; its newest checkpoint is {newest}")):
+        argv = ["convert", "hf-to-mt", "--hf", str(given), "--out", str(tmp_path / "o")]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"{what}, not a Hugging Face directory; export it with `mt-train convert " \
+            f"mt-to-hf --checkpoint {newest if given == run else given} --out DIR`" in err, err
+    assert not (tmp_path / "o").exists()
+
+
 def test_a_run_with_a_checkpoint_to_resume_ignores_a_missing_init_from(tmp_path):
     run = [f"run_dir={tmp_path / 'run'}", "training.max_steps=1"]
     pretrain(resolve_config(get_recipe("tiny"), overrides=run))

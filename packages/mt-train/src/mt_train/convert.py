@@ -58,6 +58,7 @@ from mt_train.checkpoint import (
     _rename_durably,
     check_format_version,
     checkpoint_root,
+    is_checkpoint,
     latest_checkpoint,
     load_model_weights,
     reading_checkpoint,
@@ -274,6 +275,7 @@ def hf_to_mt(hf_dir: str | Path, out_dir: str | Path, progress: bool = False) ->
     """
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     if not is_hf_dir(hf_dir):
+        _refuse_an_mt_checkpoint(hf_dir)
         raise ValueError(
             f"--hf {hf_dir} is not a Hugging Face directory (config.json + *.safetensors)"
         )
@@ -309,6 +311,25 @@ def hf_to_mt(hf_dir: str | Path, out_dir: str | Path, progress: bool = False) ->
             shutil.rmtree(tmp, ignore_errors=True)  # a whole model's worth of bytes
             raise
         return out_dir
+
+
+def _refuse_an_mt_checkpoint(path: Path) -> None:
+    """Raises a ValueError naming the export when `path`, given where a Hugging Face
+    directory is wanted, is an mt checkpoint or a run directory (its newest checkpoint)."""
+    newest = next(
+        (c for root in (checkpoint_root(path), path) if (c := latest_checkpoint(root))), None
+    )
+    if is_checkpoint(path):
+        what, checkpoint = f"{path} is an mt checkpoint", path
+    elif newest is not None:
+        what = f"{path} is a run's directory; its newest checkpoint is {newest.path}"
+        checkpoint = newest.path
+    else:
+        return
+    raise ValueError(
+        f"{what}, not a Hugging Face directory; export it with `mt-train convert mt-to-hf "
+        f"--checkpoint {checkpoint} --out DIR`"
+    )
 
 
 @contextmanager
@@ -424,6 +445,11 @@ def _checkpoint_state(path: Path) -> dict[str, Any]:
     `checkpoint_model_config` and `training_tokenizer` both need it)."""
     if not (path / ".metadata").is_file() or not (path / _STATE_FILE).is_file():
         _refuse_a_run_dir(path, "")
+        if is_hf_dir(path):
+            raise ValueError(
+                f"{path} is a Hugging Face directory, not an mt checkpoint; make one with "
+                f"`mt-train convert hf-to-mt --hf {path} --out DIR`"
+            )
         raise ValueError(
             f"{path} is not a complete mt checkpoint (.metadata and {_STATE_FILE}); give a "
             "step_N directory of a run or the output of `mt-train convert hf-to-mt`"
