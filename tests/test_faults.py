@@ -471,6 +471,9 @@ def test_a_run_dir_whose_config_json_is_not_a_runs_is_refused_and_left_untouched
     pretrain(_cfg(run, "training.max_steps=1", "checkpoint.interval=0"))
     shutil.rmtree(checkpoint_root(run))
     assert pretrain(_cfg(run, "training.max_steps=1")).step == 1
+    # A run's directory (its checkpoints/) resumes whatever its config.json holds.
+    (run / "config.json").write_text("{}")
+    assert pretrain(_cfg(run, "training.max_steps=2")).step == 2
 
 
 def _crash_in_step(monkeypatch, step, message):

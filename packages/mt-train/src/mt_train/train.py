@@ -267,9 +267,10 @@ def _refuse_a_checkpoint_as_run_dir(run_dir: str) -> None:
 
 def _refuse_a_foreign_config_json(run_dir: str) -> None:
     """Raises when `run_dir` holds a config.json that no mt-train run wrote (a Hugging Face
-    model directory, another project's): a run replaces it with its own."""
+    model directory, another project's): a run replaces it with its own. A directory with
+    a ``checkpoints/`` directory is a run's, whatever its config.json holds."""
     path = Path(run_dir) / "config.json"
-    if not path.is_file():
+    if not path.is_file() or checkpoint_root(run_dir).is_dir():
         return
     try:
         saved = json.loads(path.read_text())
