@@ -269,6 +269,26 @@ def test_a_conversion_into_an_out_another_is_writing_is_refused_and_the_first_co
     assert _siblings(out) == ["out", "source_hf"], "no lock or temporary directory is left"
 
 
+def test_an_out_whose_directory_cannot_be_written_is_a_one_line_error_before_reading(
+    tmp_path, mt_checkpoint, monkeypatch, capsys
+):
+    def read_only(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    def no_reading(*args, **kwargs):
+        raise AssertionError("the source was read")
+
+    monkeypatch.setattr(convert, "open", read_only, raising=False)  # the lock beside --out
+    monkeypatch.setattr(convert, "read_mt_checkpoint", no_reading)
+    out = tmp_path / "out"
+    argv = ["convert", "mt-to-hf", "--checkpoint", str(mt_checkpoint), "--out", str(out)]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        f"mt-train: error: --out {out}: its directory {tmp_path} cannot be written "
+        f"([Errno 13] Permission denied: '{tmp_path / '.tmp-out.lock'}'); choose another --out\n"
+    )
+
+
 def test_mt_to_hf_never_allocates_a_model(tmp_path, mt_checkpoint, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("mt_to_hf materialized a model (to_empty)")

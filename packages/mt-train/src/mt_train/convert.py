@@ -231,7 +231,13 @@ def _holding_out(out_dir: str | Path) -> Iterator[Path]:
     out_dir = _check_out(Path(out_dir))
     path = out_dir.with_name(f".tmp-{out_dir.name}.lock")
     while True:
-        lock = open(path, "a+")  # noqa: SIM115 (held until the conversion ends)
+        try:
+            lock = open(path, "a+")  # noqa: SIM115 (held until the conversion ends)
+        except OSError as err:  # no permission, a read-only file system, ...
+            raise ValueError(
+                f"--out {out_dir}: its directory {out_dir.parent} cannot be written ({err}); "
+                "choose another --out"
+            ) from None
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
