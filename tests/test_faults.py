@@ -748,6 +748,31 @@ def test_a_setup_failure_of_rank_0_alone_stops_every_rank_at_once_naming_it(tmp_
         spawn(_setup_failures_on_rank_0, 2, str(tmp_path))
 
 
+def _ranks_seeing_different_checkpoints(tmp):
+    """Body of the two-rank test below: rank 1 does not see the run's checkpoint."""
+    import torch.distributed as dist
+
+    pretrain(_cfg(tmp, "training.max_steps=1"))
+    if dist.get_rank() == 1:  # its node's file system shows no checkpoint
+        train_module.latest_checkpoint = lambda root: None
+    with pytest.raises(ValueError) as raised:
+        pretrain(_cfg(tmp, "training.max_steps=2"))
+    assert str(raised.value) == (
+        f"the ranks see different newest checkpoints in {checkpoint_root(tmp)} (step_00000001: "
+        "rank 0; none: rank 1): run_dir must be on a file system that every node shares and "
+        "sees alike"
+    )
+
+
+def test_ranks_that_see_different_newest_checkpoints_all_stop_naming_them(
+    tmp_path, monkeypatch
+):
+    # A run_dir on node-local disks: rank 0 resumed while rank 1 started afresh, and their
+    # collectives no longer matched (a hang until parallel.timeout_s, or worse).
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
+    spawn(_ranks_seeing_different_checkpoints, 2, str(tmp_path))
+
+
 def _rng_after_resume(tmp):
     """Body of the two-rank test below: each rank's RNG state after a resume is its own."""
     import torch.distributed as dist

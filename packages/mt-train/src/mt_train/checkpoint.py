@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from mt_train.distributed import failing_together, first_line
+from mt_train.distributed import failing_together, first_line, from_all_ranks
 
 # 2: RNG states per rank (`rng/<device>/rank_<r>`); version 1 wrote one `rng/<device>` for
 # every rank, which is still read. An older moetrain refuses 2 as newer than it reads.
@@ -279,15 +279,6 @@ def _restore_rng(tensors: dict[str, torch.Tensor], step: int) -> None:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-def _from_all_ranks(value: Any) -> list[Any]:
-    """Every rank's `value`, in rank order (just this one's without a process group)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [value]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
-    return gathered
 
 
 @contextmanager
@@ -602,7 +593,7 @@ def _check_and_load(
     # parallelism a mismatch can be in some ranks' experts only, and a rank raising alone
     # would leave the others waiting in a collective. Each rank then raises the same error.
     model_keys = {k for k in tensors if k.startswith("model/")}
-    gathered = _from_all_ranks((sorted(model_keys), _mismatch(path, tensors, saved, fix)))
+    gathered = from_all_ranks((sorted(model_keys), _mismatch(path, tensors, saved, fix)))
     errors = [error for _, error in gathered if error is not None]
     if errors:
         raise ValueError(errors[0])

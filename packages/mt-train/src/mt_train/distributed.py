@@ -11,6 +11,7 @@ import contextlib
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -64,6 +65,15 @@ def all_reduce(value: torch.Tensor, op: str = "sum") -> torch.Tensor:
         ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
         dist.all_reduce(value, op=ops[op])
     return value
+
+
+def from_all_ranks(value: Any) -> list[Any]:
+    """Every rank's picklable `value`, in rank order (just this one's in one process)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
 
 
 def barrier() -> None:

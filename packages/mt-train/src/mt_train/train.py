@@ -42,6 +42,7 @@ from mt_parallel import (
 from mt_parallel.context_parallel import split_sample
 from mt_train.checkpoint import (
     AsyncCheckpointer,
+    Checkpoint,
     checkpoint_root,
     clear_leftovers,
     is_checkpoint,
@@ -58,7 +59,13 @@ from mt_train.convert import (
     shell_override,
     tensor_config_differences,
 )
-from mt_train.distributed import Env, all_reduce, failing_together, init_distributed
+from mt_train.distributed import (
+    Env,
+    all_reduce,
+    failing_together,
+    from_all_ranks,
+    init_distributed,
+)
 from mt_train.faults import (
     SCHEDULER_SIGNALS,
     NonFiniteError,
@@ -361,6 +368,7 @@ def _resume_or_start(state: TrainState, run_dir: Path) -> None:
     initialized weights; records the run's config (the end of `setup`)."""
     cfg, env, model = state.cfg, state.env, state.model
     latest = latest_checkpoint(checkpoint_root(run_dir))
+    _check_every_rank_sees(latest, run_dir)
     if latest is not None and not cfg.checkpoint.resume:
         # A fresh run here would mix its checkpoints and metrics with the earlier run's
         # (and retention, which keeps the highest steps, would delete the new ones).
@@ -387,6 +395,27 @@ def _resume_or_start(state: TrainState, run_dir: Path) -> None:
     with failing_together(f"writing {run_dir / 'config.json'}"):
         if env.is_main:
             write_text_durably(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2))
+
+
+def _check_every_rank_sees(latest: Checkpoint | None, run_dir: Path) -> None:
+    """Raises on every rank unless all ranks found the same newest checkpoint `latest`: with
+    run_dir on node-local disks (or a file system that shows a rename to some nodes late),
+    some ranks would resume and the others start afresh, their collectives mismatched."""
+    seen = from_all_ranks(None if latest is None else latest.path.name)
+    if len(set(seen)) == 1:
+        return
+    ranks: dict[str | None, list[int]] = {}
+    for rank, name in enumerate(seen):
+        ranks.setdefault(name, []).append(rank)
+    described = "; ".join(
+        f"{name or 'none'}: rank{'s' if found[1:] else ''} {', '.join(map(str, found[:4]))}"
+        + (", ..." if found[4:] else "")
+        for name, found in ranks.items()
+    )
+    raise ValueError(
+        f"the ranks see different newest checkpoints in {checkpoint_root(run_dir)} "
+        f"({described}): run_dir must be on a file system that every node shares and sees alike"
+    )
 
 
 def _lock_run_dir(run_dir: Path) -> TextIO:
