@@ -748,6 +748,33 @@ def test_a_setup_failure_of_rank_0_alone_stops_every_rank_at_once_naming_it(tmp_
         spawn(_setup_failures_on_rank_0, 2, str(tmp_path))
 
 
+def test_a_save_whose_files_did_not_all_land_in_its_directory_is_not_completed(
+    tmp_path, monkeypatch
+):
+    # run_dir on node-local disks: each node's ranks write their files to their own disk, and
+    # rank 0 renamed a directory without the others' into place, listed as complete; the
+    # resume after a preemption failed on it. Here the second save's file vanishes.
+    real_save = checkpoint_module.dcp.save
+    saves = []
+
+    def save_then_lose_the_file(tensors, checkpoint_id):
+        real_save(tensors, checkpoint_id=checkpoint_id)
+        saves.append(checkpoint_id)
+        if len(saves) == 2:
+            (Path(checkpoint_id) / "__0_0.distcp").unlink()
+
+    monkeypatch.setattr(checkpoint_module.dcp, "save", save_then_lose_the_file)
+    with pytest.raises(ValueError) as raised:
+        pretrain(_cfg(tmp_path, "training.max_steps=2", "checkpoint.interval=1"))
+    tmp = checkpoint_root(tmp_path) / ".tmp-step_00000002"
+    assert str(raised.value).startswith(
+        f"checkpoint {tmp} lacks 1 of the files its .metadata lists, or holds them cut short "
+        "(e.g. ['__0_0.distcp']): every rank writes its own files there, so run_dir must be "
+        "on a file system every node shares"
+    )
+    assert _steps(tmp_path) == [1]
+
+
 def _ranks_seeing_different_checkpoints(tmp):
     """Body of the two-rank test below: rank 1 does not see the run's checkpoint."""
     import torch.distributed as dist

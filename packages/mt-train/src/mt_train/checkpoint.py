@@ -417,6 +417,7 @@ def _finalize(root: Path, step: int, train_state: dict[str, Any], keep_last: int
     # Rank 0 alone completes it; the others must not wait for it past its failure.
     with failing_together(f"completing checkpoint {final}"):
         if _is_main():
+            _check_every_file_landed(tmp)
             state = {"format_version": FORMAT_VERSION, "step": step, **train_state}
             with open(tmp / _STATE_FILE, "w") as f:
                 json.dump(state, f, indent=2)
@@ -431,6 +432,30 @@ def _finalize(root: Path, step: int, train_state: dict[str, Any], keep_last: int
             for old in list_checkpoints(root)[:-keep_last]:
                 _delete_checkpoint(old.path)
     return Checkpoint(path=final, step=step)
+
+
+def _check_every_file_landed(tmp: Path) -> None:
+    """Raises unless every file the ``.metadata`` of the DCP write in `tmp` lists is there, as
+    long as it says (main rank, before completing the checkpoint): with run_dir on
+    node-local disks each node's ranks write their files to their own disk, and a
+    checkpoint renamed into place without them would list as complete but never load."""
+    with reading_checkpoint(tmp, "the previous complete checkpoint stays the newest"):
+        metadata = dcp.FileSystemReader(tmp).read_metadata()
+    ends: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    short = [
+        name
+        for name, end in sorted(ends.items())
+        if not (tmp / name).is_file() or (tmp / name).stat().st_size < end
+    ]
+    if short:
+        raise ValueError(
+            f"checkpoint {tmp} lacks {len(short)} of the files its .metadata lists, or holds "
+            f"them cut short (e.g. {short[:3]}): every rank writes its own files there, so "
+            "run_dir must be on a file system every node shares; the previous complete "
+            "checkpoint stays the newest"
+        )
 
 
 class AsyncCheckpointer:
