@@ -264,6 +264,34 @@ def test_only_the_last_k_checkpoints_are_kept(tmp_path):
     assert _steps(tmp_path) == [3, 4]
 
 
+def test_an_old_checkpoint_that_cannot_be_deleted_is_warned_and_the_run_goes_on(
+    tmp_path, monkeypatch, caplog
+):
+    # Checkpoints copied read-only, or written by another user of a shared directory: the
+    # new checkpoint was complete, yet its pruning's PermissionError ended the run there.
+    real_rmtree = checkpoint_module.shutil.rmtree
+
+    def read_only_old_checkpoints(path, ignore_errors=False, **kwargs):
+        if not Path(path).name.startswith(".old-step_"):
+            real_rmtree(path, ignore_errors=ignore_errors, **kwargs)
+        elif not ignore_errors:  # (with ignore_errors, nothing is deleted, silently)
+            raise PermissionError(13, "Permission denied", str(Path(path) / "__0_0.distcp"))
+
+    monkeypatch.setattr(checkpoint_module.shutil, "rmtree", read_only_old_checkpoints)
+    state = pretrain(_cfg(tmp_path, "training.max_steps=3", "checkpoint.interval=1",
+                          "checkpoint.keep_last=1"))  # fmt: skip
+    assert state.step == 3 and _steps(tmp_path) == [3]
+    root = checkpoint_root(tmp_path)
+    for step in (1, 2):
+        old = root / f".old-step_{step:08d}"
+        assert old.is_dir()
+        assert (
+            f"checkpoint.keep_last=1: the old checkpoint {root / f'step_{step:08d}'} could not "
+            f"be deleted ([Errno 13] Permission denied: '{old / '__0_0.distcp'}'); what is left "
+            f"of it is {old}, delete that by hand" in caplog.text
+        )
+
+
 def test_an_async_checkpoint_holds_its_own_step_while_training_goes_on(tmp_path):
     constant_lr = ["training.min_lr_ratio=1.0"]
     whole = pretrain(_cfg(tmp_path / "whole", "training.max_steps=6", *constant_lr))

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import pickle
 import re
@@ -49,6 +50,7 @@ FORMAT_VERSION = 2
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _REPLACED = ".replaced-"  # prefix of a step's checkpoint while it is saved again
 _STATE_FILE = "train_state.json"
+log = logging.getLogger("mt_train")
 # DCP warns that it runs without a process group in one process, which is what we want;
 # a filter here (not catch_warnings) also covers the background writer's thread.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -430,7 +432,7 @@ def _finalize(root: Path, step: int, train_state: dict[str, Any], keep_last: int
                 os.rename(tmp, final)
                 _fsync_dir(root)
             for old in list_checkpoints(root)[:-keep_last]:
-                _delete_checkpoint(old.path)
+                _prune(old.path, keep_last)
     return Checkpoint(path=final, step=step)
 
 
@@ -456,6 +458,20 @@ def _check_every_file_landed(tmp: Path) -> None:
             "run_dir must be on a file system every node shares; the previous complete "
             "checkpoint stays the newest"
         )
+
+
+def _prune(path: Path, keep_last: int) -> None:
+    """Deletes an old checkpoint past `keep_last`; a failure (read-only files, another
+    user's) is a warning: the new checkpoint is complete and the run goes on."""
+    try:
+        _delete_checkpoint(path)
+    except OSError as err:
+        doomed = path.with_name(f".old-{path.name.removeprefix(_REPLACED)}")
+        log.warning(
+            "checkpoint.keep_last=%d: the old checkpoint %s could not be deleted (%s); what is "
+            "left of it is %s, delete that by hand",
+            keep_last, path, err, doomed if doomed.exists() else path,
+        )  # fmt: skip
 
 
 class AsyncCheckpointer:
