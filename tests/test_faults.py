@@ -473,6 +473,11 @@ def test_a_checkpoint_or_checkpoints_directory_given_as_run_dir_is_refused_namin
                        f"init_from={step} and a new run_dir"):  # fmt: skip
         pretrain(_cfg(step, "training.max_steps=3"))
     assert sorted(p for p in run.rglob("*") if p.name != ".lock") == before, "nothing written"
+    moved = tmp_path / "moved"  # a checkpoint out of its run (or a model-only one)
+    shutil.copytree(step, moved)
+    with pytest.raises(ValueError, match=f"run_dir .*moved.* is a checkpoint, not a run "
+                       f"directory; to start a new run from its weights, give init_from={moved}"):
+        pretrain(_cfg(moved, "training.max_steps=3"))
     assert pretrain(_cfg(run, "training.max_steps=3")).losses  # the run itself resumes
 
 
