@@ -14,8 +14,11 @@ Tensor keys are the Hugging Face parameter names, one key per expert
 checkpoint does not depend on how parameters are stacked or sharded; beside them are
 ``optim/step`` (AdamW's step count) and each rank's RNG states ``rng/cpu/rank_<r>`` and,
 with CUDA, ``rng/cuda/rank_<r>`` (`_restore_rng` says what a resume on other ranks gets).
-The whole checkpoint is written into a temporary directory that is renamed when complete:
-a crash in the middle of a save leaves the previous checkpoint as the newest complete one.
+The whole checkpoint is written into a temporary directory that is renamed when complete
+(every file its ``.metadata`` lists there, whole: run_dir must be on a file system every
+node shares): a crash in the middle of a save leaves the previous checkpoint as the newest
+complete one. Checkpoints past ``keep_last`` are deleted after the rename; one that cannot
+be is a warning.
 Saving a step that already has a checkpoint (a resumed run that redoes
 steps) moves the old one aside as ``.replaced-step_N`` before the new one takes its name,
 and deletes it only then; a crash between the two renames leaves the old one, which
