@@ -447,6 +447,11 @@ _MISMATCHES = {
         lambda t: t.update({"model.extra.weight": torch.zeros(2)}),
         r"missing \[\] \(0 in all\), unexpected \['model.extra.weight'\] \(1 in all\)",
     ),
+    # Only RoPE's inv_freq is dropped: another buffer under rotary_emb is still refused.
+    "rotary_buffer_other_than_inv_freq": (
+        lambda t: t.update({"model.layers.0.self_attn.rotary_emb.cos_cached": torch.zeros(2)}),
+        r"unexpected \['model.layers.0.self_attn.rotary_emb.cos_cached'\]",
+    ),
     "stacked_experts_wrong_hidden": (
         lambda t: t.update({_DOWN: t[_DOWN][:, :-1]}),
         r"experts.0.down_proj.weight: checkpoint shape \(128, 95\) != model shape \(128, 96\)",
@@ -489,6 +494,37 @@ def test_tied_lm_head_in_the_checkpoint_is_dropped_unread(
     loaded = load_hf(tmp_path)
     assert read_tracker.reads == len(model.canonical_parameters())  # all but lm_head.weight
     assert torch.equal(loaded.output_weight, model.output_weight)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2", "gpt_oss"])
+def test_per_layer_rotary_inv_freq_buffers_of_older_hub_files_are_ignored_unread(
+    family, build_debug_model, read_tracker, tmp_path
+):
+    # transformers before 4.3x saved RoPE's inv_freq buffer in every attention layer; its
+    # values derive from config.json, and transformers drops them when loading.
+    model = build_debug_model(family=family)
+    save_hf(model, tmp_path)
+    num_hub_tensors = len(_stored_bytes(tmp_path))
+    num_layers = model.config.num_hidden_layers
+    _edit_checkpoint(
+        tmp_path,
+        lambda t: t.update(
+            {
+                f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.full((4,), 9.0)
+                for i in range(num_layers)
+            }
+        ),
+    )
+    loaded = load_hf(tmp_path)
+    assert read_tracker.reads == num_hub_tensors  # none of the inv_freq buffers
+    params = loaded.canonical_parameters()
+    for key, tensor in model.canonical_parameters().items():
+        assert torch.equal(params[key], tensor), key
+    other = build_debug_model(seed=1, family=family)
+    hf_io.load_hf_into(other, tmp_path)
+    params = other.canonical_parameters()
+    for key, tensor in model.canonical_parameters().items():
+        assert torch.equal(params[key], tensor), key
 
 
 def test_save_hf_copies_only_expert_views_and_matches_their_values(

@@ -7,6 +7,12 @@ differs on disk: its Hub files stack the experts, transposed to [E, in, out] wit
 ``_bias`` suffixes (``mlp.experts.gate_up_proj`` [E, D, 2F], ``gate_up_proj_bias``
 [E, 2F], ``down_proj`` [E, F, D], ``down_proj_bias`` [E, D]), or store the matrices as
 MXFP4 ``_blocks``/``_scales`` (dequantized on import, ``mxfp4.py``).
+
+Import accepts exactly the model's keys, with three exceptions it drops unread: a tied
+``lm_head.weight``, tensors of no values, and RoPE's ``rotary_emb.inv_freq`` buffers
+(``model.layers.{i}.self_attn.rotary_emb.inv_freq``), which older transformers versions saved
+and its loader still ignores: they derive from config.json, which defines our RoPE. Any other
+key the model lacks is an error.
 """
 
 import json
@@ -35,6 +41,9 @@ Progress = Callable[[int, int], None]
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+# RoPE's inverse frequencies, a buffer older transformers saved per attention layer
+# (model.layers.{i}.self_attn.rotary_emb.inv_freq): computed from config.json, never loaded.
+_ROPE_INV_FREQ = re.compile(r"^(?:.*\.)?rotary_emb\.inv_freq$")
 # A shard name save_hf writes (model-00001-of-00003.safetensors).
 _SHARD_NAME = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 # GPT-OSS Hub key of a stacked expert tensor: <layer>.mlp.experts.<proj>[_bias].
@@ -388,11 +397,12 @@ class _HubCheckpoint:
         self.headers = _read_headers(path, self.handles)
         # Tensors of no values carry nothing to load: transformers' DeepSeek-V2 always builds
         # its shared_experts MLP, of intermediate size 0 when n_shared_experts is 0, and
-        # saves those empty weights; our model has no such module.
+        # saves those empty weights; our model has no such module. RoPE inv_freq buffers of
+        # older files are derived from config.json (transformers ignores them too).
         self.hub_tensors = {
             key: hub_tensor
             for key, hub_tensor in _hub_tensors(self.headers).items()
-            if math.prod(hub_tensor.shape) > 0
+            if math.prod(hub_tensor.shape) > 0 and not _ROPE_INV_FREQ.match(key)
         }
         if self.config.tie_word_embeddings:
             self.hub_tensors.pop("lm_head.weight", None)  # tied: never read
@@ -430,7 +440,9 @@ def load_hf(
     Streams: keys and shapes are checked against the model from the safetensors headers
     before any tensor is read, then one Hub tensor at a time (GPT-OSS: one stacked expert
     tensor, or one MXFP4 blocks + scales pair) is read, mapped and copied into the model.
-    Peak host memory is the model plus about one checkpoint tensor.
+    Peak host memory is the model plus about one checkpoint tensor. The checkpoint must
+    hold exactly the model's keys; a tied ``lm_head.weight``, empty tensors and the
+    per-layer ``rotary_emb.inv_freq`` buffers of older files are dropped unread.
 
     Args:
         path: Directory with ``config.json`` and safetensors weights (sharded or not).
