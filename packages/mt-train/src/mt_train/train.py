@@ -528,6 +528,14 @@ def _resume(state: TrainState, checkpoint) -> None:
     saved_state = checkpoint.train_state(needed=("step", "data", "config"))
     _check_same_family(checkpoint, saved_state["config"], state.cfg)
     data_state = saved_state["data"]
+    # Checked here to name the override (data.seq_len=N); mt-data names its own argument.
+    saved_seq_len = data_state.get("seq_len") if isinstance(data_state, dict) else None
+    if isinstance(saved_seq_len, int) and saved_seq_len != state.cfg.data.seq_len:
+        raise ValueError(
+            f"cannot resume from {checkpoint.path}: it was trained with data.seq_len="
+            f"{saved_seq_len}, this run has data.seq_len={state.cfg.data.seq_len}; resume with "
+            f"data.seq_len={saved_seq_len} or use a new run_dir"
+        )
     try:
         state.dataset.load_state_dict(data_state)
     except ValueError as e:
