@@ -168,6 +168,22 @@ def test_an_unfinished_checkpoint_is_never_resumed(tmp_path):
     assert state.losses and len(state.losses) == 1 and state.step == 3
 
 
+def test_a_checkpoint_named_without_the_8_digit_step_is_not_resumed_but_warned_of(
+    tmp_path, caplog
+):
+    pretrain(_cfg(tmp_path, "training.max_steps=2"))
+    root = checkpoint_root(tmp_path)
+    (root / "step_00000002").rename(root / "step_2")  # renamed by hand
+    with caplog.at_level(logging.WARNING, logger="mt_train"):
+        state = pretrain(_cfg(tmp_path, "training.max_steps=1"))
+    assert state.step == 1 and len(state.losses) == 1, "a fresh run, not a resume"
+    assert (
+        f"{root / 'step_2'} is a checkpoint that is not resumed: checkpoints are found by "
+        "their step in 8 digits; if it is this run's, rename it to step_00000002"
+    ) in caplog.text
+    assert caplog.text.count("step_2 ") == 1
+
+
 @pytest.mark.slow
 def test_mt_train_command_runs_and_resumes(tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

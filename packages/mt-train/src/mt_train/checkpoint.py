@@ -2,7 +2,9 @@
 
 Layout of a run directory::
 
-    <run_dir>/checkpoints/step_00000100/     a complete checkpoint (renamed into place)
+    <run_dir>/checkpoints/step_00000100/     a complete checkpoint (renamed into place;
+                                             the step in 8 digits: a step_100 is warned
+                                             of at resume, not resumed)
         .metadata, *.distcp                  PyTorch DCP: every tensor, canonical keys
         train_state.json                     step, data-loader state, resolved config
     <run_dir>/checkpoints/.tmp-step_...      a checkpoint being written (never resumed)
@@ -51,6 +53,9 @@ from mt_train.distributed import failing_together, first_line, from_all_ranks
 # every rank, which is still read. An older moetrain refuses 2 as newer than it reads.
 FORMAT_VERSION = 2
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
+# A step name of fewer digits (``step_9``): renamed by hand, so never listed (see
+# `misnamed_checkpoints`).
+_UNPADDED_STEP_DIR = re.compile(r"^step_(\d{1,7})$")
 _REPLACED = ".replaced-"  # prefix of a step's checkpoint while it is saved again
 _STATE_FILE = "train_state.json"
 log = logging.getLogger("mt_train")
@@ -199,6 +204,25 @@ def list_checkpoints(root: str | Path) -> list[Checkpoint]:
             if not replaced or not (root / match.group(0)).exists():
                 found[step] = Checkpoint(path=entry, step=step)
     return [found[step] for step in sorted(found)]
+
+
+def misnamed_checkpoints(root: str | Path) -> list[tuple[Path, str]]:
+    """Complete checkpoints under `root` that `list_checkpoints` does not list because their
+    step has fewer than 8 digits (``step_9``: a directory renamed by hand).
+
+    They are not resumed: a name no save wrote says nothing of whose checkpoint it is.
+
+    Returns:
+        (path, the name it would be listed under), by name.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return [
+        (entry, f"step_{int(match.group(1)):08d}")
+        for entry in sorted(root.iterdir())
+        if (match := _UNPADDED_STEP_DIR.match(entry.name)) and is_checkpoint(entry)
+    ]
 
 
 def latest_checkpoint(root: str | Path) -> Checkpoint | None:

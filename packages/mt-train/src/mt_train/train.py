@@ -48,6 +48,7 @@ from mt_train.checkpoint import (
     is_checkpoint,
     latest_checkpoint,
     load_checkpoint,
+    misnamed_checkpoints,
     save_checkpoint,
 )
 from mt_train.config import JobConfig, family_of
@@ -369,6 +370,13 @@ def _resume_or_start(state: TrainState, run_dir: Path) -> None:
     cfg, env, model = state.cfg, state.env, state.model
     latest = latest_checkpoint(checkpoint_root(run_dir))
     _check_every_rank_sees(latest, run_dir)
+    for path, name in misnamed_checkpoints(checkpoint_root(run_dir)) if env.is_main else ():
+        log.warning(
+            "%s is a checkpoint that is not resumed: checkpoints are found by their step in 8 "
+            "digits; if it is this run's, rename it to %s",
+            path,
+            name,
+        )
     if latest is not None and not cfg.checkpoint.resume:
         # A fresh run here would mix its checkpoints and metrics with the earlier run's
         # (and retention, which keeps the highest steps, would delete the new ones).
