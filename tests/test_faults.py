@@ -264,20 +264,25 @@ def test_only_the_last_k_checkpoints_are_kept(tmp_path):
     assert _steps(tmp_path) == [3, 4]
 
 
-def test_an_old_checkpoint_that_cannot_be_deleted_is_warned_and_the_run_goes_on(
-    tmp_path, monkeypatch, caplog
-):
-    # Checkpoints copied read-only, or written by another user of a shared directory: the
-    # new checkpoint was complete, yet its pruning's PermissionError ended the run there.
+def _undeletable_old_checkpoints(monkeypatch):
+    """Makes the delete of every ``.old-step_*`` fail as read-only files do."""
     real_rmtree = checkpoint_module.shutil.rmtree
 
-    def read_only_old_checkpoints(path, ignore_errors=False, **kwargs):
+    def rmtree(path, ignore_errors=False, **kwargs):
         if not Path(path).name.startswith(".old-step_"):
             real_rmtree(path, ignore_errors=ignore_errors, **kwargs)
         elif not ignore_errors:  # (with ignore_errors, nothing is deleted, silently)
             raise PermissionError(13, "Permission denied", str(Path(path) / "__0_0.distcp"))
 
-    monkeypatch.setattr(checkpoint_module.shutil, "rmtree", read_only_old_checkpoints)
+    monkeypatch.setattr(checkpoint_module.shutil, "rmtree", rmtree)
+
+
+def test_an_old_checkpoint_that_cannot_be_deleted_is_warned_and_the_run_goes_on(
+    tmp_path, monkeypatch, caplog
+):
+    # Checkpoints copied read-only, or written by another user of a shared directory: the
+    # new checkpoint was complete, yet its pruning's PermissionError ended the run there.
+    _undeletable_old_checkpoints(monkeypatch)
     state = pretrain(_cfg(tmp_path, "training.max_steps=3", "checkpoint.interval=1",
                           "checkpoint.keep_last=1"))  # fmt: skip
     assert state.step == 3 and _steps(tmp_path) == [3]
@@ -290,6 +295,34 @@ def test_an_old_checkpoint_that_cannot_be_deleted_is_warned_and_the_run_goes_on(
             f"be deleted ([Errno 13] Permission denied: '{old / '__0_0.distcp'}'); what is left "
             f"of it is {old}, delete that by hand" in caplog.text
         )
+
+
+def test_the_earlier_checkpoint_of_a_step_saved_again_that_cannot_be_deleted_is_warned(
+    tmp_path, monkeypatch, caplog
+):
+    # A resumed run that redoes a step saves it again; the new checkpoint was complete and
+    # in place, yet deleting the one it replaced raised and ended the run.
+    def cfg(max_steps):
+        return _cfg(tmp_path, f"training.max_steps={max_steps}", "checkpoint.interval=2",
+                    "checkpoint.keep_last=1")  # fmt: skip
+
+    state = pretrain(cfg(2))
+    root = checkpoint_root(tmp_path)
+    _undeletable_old_checkpoints(monkeypatch)
+    state.skipped_steps = 7  # marks the new save's train_state.json
+    train_module._save(state, None)
+    monkeypatch.undo()
+    saved = json.loads((root / "step_00000002" / "train_state.json").read_text())
+    assert saved["skipped_steps"] == 7, "the new checkpoint took the step's name"
+    assert _steps(tmp_path) == [2]
+    old = root / ".old-step_00000002"
+    assert old.is_dir()
+    assert (
+        f"step 2 was saved again: its earlier checkpoint {root / '.replaced-step_00000002'} "
+        f"could not be deleted ([Errno 13] Permission denied: '{old / '__0_0.distcp'}'); what "
+        f"is left of it is {old}, delete that by hand" in caplog.text
+    )
+    assert pretrain(cfg(3)).step == 3
 
 
 def test_an_async_checkpoint_holds_its_own_step_while_training_goes_on(tmp_path):

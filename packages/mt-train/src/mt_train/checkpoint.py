@@ -23,8 +23,9 @@ complete one. Checkpoints past ``keep_last`` are deleted after the rename; one t
 be is a warning.
 Saving a step that already has a checkpoint (a resumed run that redoes
 steps) moves the old one aside as ``.replaced-step_N`` before the new one takes its name,
-and deletes it only then; a crash between the two renames leaves the old one, which
-`list_checkpoints` lists as step N and the next save puts back.
+and deletes it only then (one that cannot be is a warning too); a crash between the two
+renames leaves the old one, which `list_checkpoints` lists as step N and the next save puts
+back.
 """
 
 from __future__ import annotations
@@ -400,7 +401,8 @@ def _replace_checkpoint(new: Path, final: Path) -> None:
     _fsync_dir(final.parent)
     os.rename(new, final)
     _fsync_dir(final.parent)
-    _delete_checkpoint(replaced)
+    step = int(_STEP_DIR.match(final.name).group(1))
+    _delete_or_warn(replaced, f"step {step} was saved again: its earlier checkpoint")
 
 
 def save_checkpoint(
@@ -488,16 +490,26 @@ def _check_every_file_landed(tmp: Path) -> None:
 
 
 def _prune(path: Path, keep_last: int) -> None:
-    """Deletes an old checkpoint past `keep_last`; a failure (read-only files, another
-    user's) is a warning: the new checkpoint is complete and the run goes on."""
+    """Deletes an old checkpoint past `keep_last`; a failure is a warning (`_delete_or_warn`)."""
+    _delete_or_warn(path, f"checkpoint.keep_last={keep_last}: the old checkpoint")
+
+
+def _delete_or_warn(path: Path, what: str) -> None:
+    """Deletes an old checkpoint once a newer one is complete; a failure (read-only files,
+    another user's) is a warning naming what is left: the new checkpoint is complete and
+    the run goes on.
+
+    Args:
+        path: the old checkpoint.
+        what: how the warning names it, before its path.
+    """
     try:
         _delete_checkpoint(path)
     except OSError as err:
         doomed = path.with_name(f".old-{path.name.removeprefix(_REPLACED)}")
         log.warning(
-            "checkpoint.keep_last=%d: the old checkpoint %s could not be deleted (%s); what is "
-            "left of it is %s, delete that by hand",
-            keep_last, path, err, doomed if doomed.exists() else path,
+            "%s %s could not be deleted (%s); what is left of it is %s, delete that by hand",
+            what, path, err, doomed if doomed.exists() else path,
         )  # fmt: skip
 
 
