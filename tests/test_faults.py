@@ -325,6 +325,32 @@ def test_the_earlier_checkpoint_of_a_step_saved_again_that_cannot_be_deleted_is_
     assert pretrain(cfg(3)).step == 3
 
 
+def test_old_checkpoints_of_one_step_that_cannot_be_deleted_never_block_a_later_delete(
+    tmp_path, monkeypatch, caplog
+):
+    # Every delete renamed the checkpoint to the one name .old-step_N first: with an
+    # undeletable .old-step_N already there the rename failed (directory not empty), the
+    # warning named .old-step_N as what was left although .replaced-step_N was, and the
+    # next start failed clearing that .replaced-step_N.
+    def cfg(max_steps):
+        return _cfg(tmp_path, f"training.max_steps={max_steps}", "checkpoint.interval=2",
+                    "checkpoint.keep_last=1")  # fmt: skip
+
+    state = pretrain(cfg(2))
+    root = checkpoint_root(tmp_path)
+    _undeletable_old_checkpoints(monkeypatch)
+    for _ in range(2):  # step 2 saved again twice
+        train_module._save(state, None)
+    assert sorted(p.name for p in root.iterdir()) == [
+        ".old-step_00000002", ".old-step_00000002.1", "step_00000002",
+    ]  # fmt: skip
+    for left in (".old-step_00000002", ".old-step_00000002.1"):
+        assert f"what is left of it is {root / left}, delete that by hand" in caplog.text
+    monkeypatch.undo()
+    assert pretrain(cfg(3)).step == 3
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000003"]
+
+
 def test_an_async_checkpoint_holds_its_own_step_while_training_goes_on(tmp_path):
     constant_lr = ["training.min_lr_ratio=1.0"]
     whole = pretrain(_cfg(tmp_path / "whole", "training.max_steps=6", *constant_lr))

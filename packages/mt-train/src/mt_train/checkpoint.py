@@ -31,6 +31,7 @@ back.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -169,15 +170,34 @@ def checkpoint_root(run_dir: str | Path) -> Path:
 def _delete_checkpoint(path: Path) -> None:
     """Deletes a complete checkpoint without ever leaving a partial one under its name.
 
-    It is renamed out of the ``step_*`` (and ``.replaced-step_*``) names first: a crash in
-    the middle of the delete leaves a ``.old-step_*`` leftover (removed by the next save),
-    not a ``step_N`` with its state file but some shards gone, which would list as complete.
+    It is renamed out of the ``step_*`` (and ``.replaced-step_*``) names first
+    (`_set_aside`): a crash in the middle of the delete leaves a ``.old-step_*`` leftover
+    (removed by the next save), not a ``step_N`` with its state file but some shards gone,
+    which would list as complete.
     """
-    doomed = path.with_name(f".old-{path.name.removeprefix(_REPLACED)}")
+    shutil.rmtree(_set_aside(path))
+
+
+def _set_aside(path: Path) -> Path:
+    """Renames a checkpoint to a ``.old-step_N`` name no directory has, durably.
+
+    A leftover ``.old-step_N`` is removed first; one that cannot be (read-only files: see
+    `_delete_or_warn`) stays, and the checkpoint gets ``.old-step_N.1`` (``.2``, ...): a
+    rename onto it would fail (directory not empty) and leave the checkpoint where it was.
+
+    Returns:
+        The new path.
+    """
+    name = f".old-{path.name.removeprefix(_REPLACED)}"
+    doomed = path.with_name(name)
     shutil.rmtree(doomed, ignore_errors=True)
+    for k in itertools.count(1):
+        if not doomed.exists():
+            break
+        doomed = path.with_name(f"{name}.{k}")
     os.rename(path, doomed)
     _fsync_dir(path.parent)
-    shutil.rmtree(doomed)
+    return doomed
 
 
 def is_checkpoint(path: Path) -> bool:
@@ -503,13 +523,14 @@ def _delete_or_warn(path: Path, what: str) -> None:
         path: the old checkpoint.
         what: how the warning names it, before its path.
     """
+    left = path
     try:
-        _delete_checkpoint(path)
+        left = _set_aside(path)
+        shutil.rmtree(left)
     except OSError as err:
-        doomed = path.with_name(f".old-{path.name.removeprefix(_REPLACED)}")
         log.warning(
             "%s %s could not be deleted (%s); what is left of it is %s, delete that by hand",
-            what, path, err, doomed if doomed.exists() else path,
+            what, path, err, left,
         )  # fmt: skip
 
 
