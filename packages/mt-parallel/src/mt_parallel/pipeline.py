@@ -30,14 +30,41 @@ process, including ``load_balancing="pooled"``, whose balancing term multiplies 
 summed over all layers and so is no sum of per-stage terms. A model with
 ``router_stats_reducer`` set (dp/cp/ep) is refused by the split.
 
-Communication. Each message has its own tag (kind, receiving stage, micro-batch, part),
-so the order of sends and receives between two ranks need not match. Sends are
-``isend``s, waited for at the end of the step; receives block where their data is needed.
-A rank thus never waits on its own sends, which is the buffered-send model under which
-``pipeline_sim.simulate`` shows DualPipeV's order deadlock-free. Blocking sends would not
-do: a gloo ``send`` returns only once its receive is posted (seen here from 4 KB up), and
-with ``dist.send`` in place of ``isend`` the pp = 2 test hangs, two ranks each sending to
-the other. NCCL ignores tags: running this on GPUs needs matched batched P2P.
+Communication: without tags, in one order. NCCL has no tags (gloo's stay 0): between two
+ranks, messages match in the order the operations are issued. Every rank computes the same
+global order of the step's messages between ranks (:func:`~mt_parallel.pipeline_comm.
+message_plan`: the ranks' action lists run in one process, each action once the messages it
+needs were sent) and issues its operations in it. Before each action, one
+``batch_isend_irecv`` posts the receives of every message to this rank that comes earlier
+in the order and is not posted yet: those the action needs and any that come before them
+(received ahead, into buffers kept for a later action). After a stage's forward or input
+backward, one batch sends its output (hidden states and router statistics: two operations,
+none for an empty statistics vector on either side); the sends are waited for at the end of
+the step, the receives just before their data is used.
+
+Why this matches and cannot deadlock. The model: a send may not complete before its
+receive runs (NCCL; gloo's blocking ``send`` too, seen from 4 KB up); a rank's operations
+may run one after another, a batch completing when all its operations have (NCCL's stream;
+within a batch they progress together); a rank waits only for a receive whose data it is
+about to use (NCCL: its compute stream; gloo: its thread). (1) Each rank issues its sends
+and receives in the global order, so for every ordered pair (a, b) the k-th send from a to
+b and the k-th receive b posts from a are the same message: same shapes, same data.
+(2) Take the earliest message of the order not yet complete. Before it, its sender and
+its receiver issue only operations earlier in the order, and wait only for receives they
+posted before their current action, also earlier (the receives an action posts precede
+its sends in the order); the data sent was computed from such receives. All of that is
+complete, so both ranks reach the message, the receive is posted, the data exists, and it
+completes; by induction every message does. The one-process run exists because
+DualPipeV's lists are deadlock-free when sends do not block (:func:`~mt_parallel.
+pipeline_sim.simulate`); the plan asserts it. A batch holds consecutive operations of the
+order, so batching the receives before an action changes nothing in (2). With pp > 1 the
+constructor runs one all-reduce over the group, so that the NCCL communicator exists on
+every rank before the first batch (torch asks that a group's first ``batch_isend_irecv``
+include all its ranks).
+
+What it costs: a message received ahead holds its buffer from its post to its action, and
+a rank's send queues behind receives posted before it (on the stream under NCCL); the
+overlap of communication with computation is still to come.
 
 Results. The loss sums live on rank 0; with pp > 1 rank 0 broadcasts its
 :class:`~mt_parallel.schedule.StepResult` over the pipeline group, so every rank returns
@@ -72,6 +99,7 @@ from mt_parallel.dualpipev import (
     stage_of,
     stage_rank,
 )
+from mt_parallel.pipeline_comm import ACTIVATION, GRADIENT, Message, message_plan
 from mt_parallel.pipeline_stages import PipelineStage
 from mt_parallel.schedule import MicroBatch, StepResult
 
@@ -79,7 +107,6 @@ __all__ = ["DualPipeVExecutor"]
 
 _STATS_FIELDS = tuple(f.name for f in dataclasses.fields(RouterStats))
 _COUNT_FIELDS = ("num_tokens", "num_tokens_B")  # int64 in RouterStats
-_ACTIVATION, _GRADIENT = 0, 1
 
 
 def _stats_shapes(num_experts: int, batch: int) -> tuple[tuple[int, ...], ...]:
@@ -134,7 +161,9 @@ class _Step:
     saved: dict[tuple[int, int], _Saved] = field(default_factory=dict)
     queues: dict[tuple[int, int], WeightGradQueue] = field(default_factory=dict)
     local: dict[tuple[int, int, int], list[Tensor]] = field(default_factory=dict)
-    sends: list[tuple[dist.Work, Tensor]] = field(default_factory=list)
+    # Posted receives by message key: the buffers and their pending works.
+    incoming: dict[tuple[int, int, int], tuple[list[Tensor], list]] = field(default_factory=dict)
+    sends: list[tuple[list, list[Tensor]]] = field(default_factory=list)  # works, tensors
     losses: list = field(default_factory=list)  # LossOutput of each micro-batch, last stage
 
 
@@ -172,6 +201,8 @@ class DualPipeVExecutor:
             make_weight_grads_deferrable(stage)
         param = next(stages[0].parameters())
         self.device, self.dtype = param.device, param.dtype  # of the hidden states
+        if pp > 1:  # every rank joins the communicator before the first batched P2P
+            dist.all_reduce(torch.zeros(1, device=self.device), group=group)
         self.weight_flushes: list[tuple[int, int, int]] = []
 
     def step(
@@ -195,18 +226,22 @@ class DualPipeVExecutor:
                 f"global_num_tokens ({global_num_tokens}) must be positive: the number of "
                 f"labels that are not ignore_index ({ignore_index}) in the whole step"
             )
-        actions = dualpipev_schedule(self.pp, len(microbatches))[self.rank]
+        schedule = dualpipev_schedule(self.pp, len(microbatches))
+        actions, plan = schedule[self.rank], message_plan(schedule, self.pp)[self.rank]
         step = _Step(microbatches, global_num_tokens, ignore_index)
         self.weight_flushes = []
-        for action in actions:
+        for action, receives in zip(actions, plan, strict=True):
+            self._post_receives(receives, step)
             self._run(action, step)
-        for work, _ in step.sends:
-            work.wait()
+        for works, _ in step.sends:
+            for work in works:
+                work.wait()
         left = [f"W{c}[{m}] ({len(q)} pending)" for (c, m), q in step.queues.items()]
         left += [f"B{c}[{m}]" for c, m in step.saved]
-        if left or step.local:
+        if left or step.local or step.incoming:
             raise RuntimeError(f"rank {self.rank}: the step ended with work left: {left}, "
-                               f"unconsumed hand-overs {sorted(step.local)}")  # fmt: skip
+                               f"unconsumed hand-overs {sorted(step.local)}, "
+                               f"unconsumed receives {sorted(step.incoming)}")  # fmt: skip
         return self._result(step)
 
     def _run(self, action: Action, step: _Step) -> None:
@@ -233,10 +268,8 @@ class DualPipeVExecutor:
         if stage.is_first:
             x, inputs = data.input_ids, []
         else:
-            specs = [((batch, seq, stage.hidden_size), self.dtype),
-                     ((_stats_numel(stage.experts_before, batch),), torch.float32)]  # fmt: skip
-            inputs = [t.requires_grad_() for t in self._receive(_ACTIVATION, stage.stage, mb,
-                                                                specs, step)]  # fmt: skip
+            received = self._receive(ACTIVATION, stage.stage, mb, step)
+            inputs = [t.requires_grad_() for t in received]
             x = inputs[0]
         queue = step.queues[(chunk, mb)] = WeightGradQueue()
         set_weight_grad_queue(stage, queue)  # read by each linear's autograd at forward time
@@ -256,7 +289,7 @@ class DualPipeVExecutor:
             step.saved[(chunk, mb)] = _Saved(inputs, [loss])
         else:
             step.saved[(chunk, mb)] = _Saved(inputs, [out.hidden_BSD, stats])
-            self._hand_over(_ACTIVATION, stage.stage + 1, mb,
+            self._hand_over(ACTIVATION, stage.stage + 1, mb,
                             [out.hidden_BSD.detach(), stats.detach()], step)  # fmt: skip
 
     def _backward_input(self, chunk: int, mb: int, step: _Step) -> None:
@@ -265,14 +298,16 @@ class DualPipeVExecutor:
         if stage.is_last:
             grads = [None]  # d loss / d loss = 1
         else:
-            specs = [(tuple(t.shape), t.dtype) for t in saved.outputs]
-            grads = self._receive(_GRADIENT, stage.stage, mb, specs, step)
+            grads = self._receive(GRADIENT, stage.stage, mb, step)
+            got = [(tuple(g.shape), g.dtype) for g in grads]
+            want = [(tuple(t.shape), t.dtype) for t in saved.outputs]
+            assert got == want, f"rank {self.rank}, stage {stage.stage}, {mb=}: {got=}, {want=}"
         pairs = [(t, g) for t, g in zip(saved.outputs, grads, strict=True) if t.requires_grad]
         torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         if not stage.is_first:
             grads_in = [t.grad if t.grad is not None else torch.zeros_like(t)
                         for t in saved.inputs]  # fmt: skip
-            self._hand_over(_GRADIENT, stage.stage - 1, mb, grads_in, step)
+            self._hand_over(GRADIENT, stage.stage - 1, mb, grads_in, step)
 
     def _backward_weight(self, chunk: int, mb: int, step: _Step) -> None:
         queue = step.queues.pop((chunk, mb), None)
@@ -281,40 +316,60 @@ class DualPipeVExecutor:
                                "(run twice, or before its forward)")  # fmt: skip
         self.weight_flushes.append((chunk, mb, queue.flush()))
 
-    def _tag(self, kind: int, stage: int, mb: int, part: int) -> int:
-        """A distinct tag for each message of a step, keyed by its receiving stage."""
-        return ((mb * 2 * self.pp + stage) * 2 + kind) * 2 + part
+    def _specs(self, kind: int, stage: int, mb: int, step: _Step) -> list:
+        """Shapes and dtypes of a message to `stage` (on this rank): hidden states and stats."""
+        receiver = self.stages[stage_rank(stage, self.pp)[1]]
+        assert receiver.stage == stage, f"{receiver.stage=}, {stage=}, rank {self.rank}"
+        batch, seq = step.microbatches[mb].input_ids.shape
+        experts = receiver.experts_before  # activations: the statistics of earlier stages
+        if kind == GRADIENT:  # the gradient of this stage's outputs: with its own layers'
+            experts = experts + receiver.experts_here
+        return [((batch, seq, receiver.hidden_size), self.dtype),
+                ((_stats_numel(experts, batch),), torch.float32)]  # fmt: skip
+
+    def _post_receives(self, messages: Sequence[Message], step: _Step) -> None:
+        """Posts the receives of `messages` (from other ranks, in the plan's order) as one
+        batch, into buffers kept until the action that needs each one."""
+        ops, spans = [], []
+        for msg in messages:
+            buffers = [torch.empty(shape, dtype=dtype, device=self.device)
+                       for shape, dtype in self._specs(msg.kind, msg.stage, msg.micro_batch,
+                                                       step)]  # fmt: skip
+            parts = [dist.P2POp(dist.irecv, t, group=self.group, group_peer=msg.sender)
+                     for t in buffers if t.numel()]  # fmt: skip
+            spans.append((msg, buffers, slice(len(ops), len(ops) + len(parts))))
+            ops += parts
+        works = dist.batch_isend_irecv(ops) if ops else []
+        # gloo gives a work per operation: a message waits for its own. NCCL gives one for
+        # the whole batch (it completes as one): every message waits for it.
+        per_op = len(works) == len(ops)
+        for msg, buffers, span in spans:
+            step.incoming[msg.key] = (buffers, works[span] if per_op else works)
 
     def _hand_over(self, kind: int, stage: int, mb: int, tensors: list[Tensor],
                    step: _Step) -> None:  # fmt: skip
-        """Gives `tensors` to `stage` (the receiver): locally, or by isend to its rank."""
+        """Gives `tensors` to `stage` (the receiver): locally, or sent to its rank (one
+        batch, not waited for until the step ends)."""
         rank, _ = stage_rank(stage, self.pp)
         if rank == self.rank:
             step.local[(kind, stage, mb)] = tensors
             return
-        for part, tensor in enumerate(tensors):
-            if tensor.numel():
-                tensor = tensor.contiguous()
-                work = dist.isend(tensor, group=self.group, group_dst=rank,
-                                  tag=self._tag(kind, stage, mb, part))  # fmt: skip
-                step.sends.append((work, tensor))  # the tensor lives until the send is done
+        tensors = [t.contiguous() for t in tensors if t.numel()]
+        ops = [dist.P2POp(dist.isend, t, group=self.group, group_peer=rank) for t in tensors]
+        if ops:
+            step.sends.append((dist.batch_isend_irecv(ops), tensors))  # tensors live till sent
 
-    def _receive(self, kind: int, stage: int, mb: int, specs: list, step: _Step) -> list[Tensor]:
-        """What `stage` receives for `mb`: from this rank's hand-over, or from the peer."""
+    def _receive(self, kind: int, stage: int, mb: int, step: _Step) -> list[Tensor]:
+        """What `stage` receives for `mb`: this rank's hand-over, or the posted receive."""
         local = step.local.pop((kind, stage, mb), None)
         if local is not None:
             return local
-        source = stage - 1 if kind == _ACTIVATION else stage + 1
-        rank, _ = stage_rank(source, self.pp)
-        assert rank != self.rank, f"stage {source} on this rank has not handed over {mb=}"
-        out = []
-        for part, (shape, dtype) in enumerate(specs):
-            tensor = torch.empty(shape, dtype=dtype, device=self.device)
-            if tensor.numel():
-                dist.recv(tensor, group=self.group, group_src=rank,
-                          tag=self._tag(kind, stage, mb, part))  # fmt: skip
-            out.append(tensor)
-        return out
+        posted = step.incoming.pop((kind, stage, mb), None)
+        assert posted is not None, f"rank {self.rank}: {(kind, stage, mb)=} is not in the plan"
+        buffers, works = posted
+        for work in works:
+            work.wait()  # NCCL: the current stream waits; gloo: this thread
+        return buffers
 
     def _result(self, step: _Step) -> StepResult:
         """The step's StepResult from rank 0's losses, broadcast to every pipeline rank."""
