@@ -180,26 +180,81 @@ def test_pp1_check_fails_when_the_aux_loss_gradient_is_dropped(monkeypatch):
         compare_dualpipev(_qwen3(4), num_micro_batches=4, **SHAPES)
 
 
-@pytest.mark.slow
-def test_pp2_matches_one_process_over_two_ranks():
-    cases = [(_qwen3(5, **VARIANTS[v]), {"num_micro_batches": m, **SHAPES})
+# The spawned runs pass every point-to-point operation tag 0 (untagged=True), as NCCL has
+# no tags: only their order can match sends with receives, and a wrong order shows up as
+# a size mismatch (gloo aborts), wrong values (the comparison fails) or a hang (the
+# timeout kills the ranks). A run takes 2-10 s here.
+TIMEOUT_S = 300
+PP2_CASES = [(_qwen3(5, **VARIANTS[v]), {"num_micro_batches": m, **SHAPES})
              for v, m in (("global_pooled", 6), ("sequence_per_layer_z", 4),
                           ("tied_embeddings", 5))]  # fmt: skip
-    spawn(check_dualpipev_cases, 2, cases)
+# 256 KiB hidden states per message: gloo's blocking send waits for its receive at any
+# size, as NCCL's may, so both ranks sending before receiving would hang.
+LARGE_CASES = [(_qwen3(4), {"num_micro_batches": 4, **SHAPES, "rows": 4, "seq_len": 512})]
+
+
+@pytest.mark.slow
+def test_pp2_matches_one_process_over_two_ranks_without_tags():
+    spawn(check_dualpipev_cases, 2, PP2_CASES, untagged=True, timeout_s=TIMEOUT_S)
 
 
 @pytest.mark.slow
 def test_pp2_with_large_activations_does_not_deadlock():
-    # 256 KiB hidden states per message: gloo's blocking send waits for its receive at any
-    # size, so both ranks sending at once would hang; the executor's isends cannot.
-    shapes = {**SHAPES, "rows": 4, "seq_len": 512}
-    spawn(check_dualpipev_cases, 2, [(_qwen3(4), {"num_micro_batches": 4, **shapes})])
+    spawn(check_dualpipev_cases, 2, LARGE_CASES, untagged=True, timeout_s=TIMEOUT_S)
 
 
 @pytest.mark.slow
-def test_pp4_matches_one_process_over_four_ranks():
+def test_pp4_matches_one_process_over_four_ranks_without_tags():
+    # With the executor's former per-message tags forced to 0, this aborted at once
+    # (gloo: "1248 vs 208. Received data size doesn't match expected size").
     cases = [(_qwen3(9, **VARIANTS["global_pooled"]), {"num_micro_batches": 10, **SHAPES})]
-    spawn(check_dualpipev_cases, 4, cases)
+    spawn(check_dualpipev_cases, 4, cases, untagged=True, timeout_s=TIMEOUT_S)
+
+
+def _with_receives_swapped(cases):
+    """check_dualpipev_cases with the last rank posting two receives from the same peer in
+    the wrong order: the first two it posts, both at the first one's place."""
+    from mt_parallel import pipeline
+
+    original = pipeline.message_plan
+
+    def swapped(schedule, pp):
+        plan = original(schedule, pp)
+        rank_plan = plan[pp - 1]
+        first = next(i for i, before in enumerate(rank_plan) if before)
+        later = next(i for i in range(first + 1, len(rank_plan)) if rank_plan[i])
+        rank_plan[first] = [rank_plan[later].pop(0), *rank_plan[first]]
+        assert rank_plan[first][0].sender == rank_plan[first][1].sender, rank_plan[first]
+        return plan
+
+    pipeline.message_plan = swapped
+    check_dualpipev_cases(cases, untagged=True)
+
+
+@pytest.mark.slow
+def test_pp2_comparison_fails_when_receives_are_posted_out_of_order(monkeypatch):
+    # The untagged runs can fail: the last rank receiving two messages in the wrong order
+    # gives some micro-batch another's hidden states (same shapes), and the loss and
+    # gradients differ.
+    from pathlib import Path
+
+    from torch.multiprocessing import ProcessRaisedException
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # spawned ranks import this file
+    targets = __import__(Path(__file__).stem)
+    with pytest.raises(ProcessRaisedException, match=r"AssertionError: rank \d of pp=2: "):
+        spawn(targets._with_receives_swapped, 2, PP2_CASES[:1], timeout_s=TIMEOUT_S)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_pp2_on_two_gpus_over_nccl_matches_one_process():
+    # NCCL: no tags, and a send may wait for its receive. The reference runs on the same
+    # GPU in the same process, fp32, with the same kernels on the same shapes, so the
+    # tolerances are the CPU test's: a few ulps for a reordered sum (the tied embedding),
+    # far below a wrong, missing or doubled message (1e-3 and up).
+    cases = [(config, {**kwargs, "device": "cuda"}) for config, kwargs in PP2_CASES + LARGE_CASES]
+    spawn(check_dualpipev_cases, 2, cases, backend="nccl", timeout_s=TIMEOUT_S)
 
 
 def test_micro_batch_losses_sum_like_run_microbatches():

@@ -65,3 +65,16 @@ def test_spawn_reports_the_failing_rank_not_its_peer_left_at_the_final_barrier(m
         spawn(targets._fail_on_rank_1, 2)
     assert raised.value.error_index == 1, str(raised.value)
     assert "rank 1's own failure" in str(raised.value), str(raised.value)
+
+
+def test_spawn_kills_ranks_that_run_past_timeout_s():
+    # A hang (ranks waiting on messages that never come) fails instead of stalling.
+    import time
+
+    import pytest
+
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"spawn\(sleep, 2\) was still running after "
+                                           r"timeout_s=3 s and was killed"):  # fmt: skip
+        spawn(time.sleep, 2, 600, timeout_s=3)
+    assert time.monotonic() - start < 60

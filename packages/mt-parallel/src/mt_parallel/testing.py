@@ -12,6 +12,7 @@ import os
 import re
 import socket
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -93,8 +94,9 @@ def _entry(
 
 
 def spawn(
-    fn: Callable, world_size: int, *args: Any, backend: str = "gloo", **kwargs: Any
-) -> None:
+    fn: Callable, world_size: int, *args: Any, backend: str = "gloo",
+    timeout_s: float | None = None, **kwargs: Any,
+) -> None:  # fmt: skip
     """Runs `fn(*args, **kwargs)` on `world_size` spawned processes (gloo: CPU, nccl: GPUs).
 
     An exception on any rank fails the call with that rank's traceback. Under NCCL the
@@ -105,14 +107,30 @@ def spawn(
         fn: a module-level (picklable) function.
         world_size: number of processes.
         *args: picklable arguments.
+        backend: "gloo" or "nccl" (rank i then runs on GPU i).
+        timeout_s: seconds the ranks may run (None: no limit); past it they are killed and
+            a TimeoutError is raised, so a hang (ranks waiting on messages that never
+            come) fails the test instead of stalling it.
         **kwargs: picklable keyword arguments.
     """
-    mp.spawn(
+    context = mp.spawn(
         _entry,
         args=(world_size, _free_port(), backend, fn, args, kwargs),
         nprocs=world_size,
-        join=True,
+        join=False,
     )
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not context.join(None if deadline is None else max(deadline - time.monotonic(), 0)):
+        if deadline is not None and time.monotonic() >= deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+                process.join()
+            raise TimeoutError(
+                f"spawn({getattr(fn, '__name__', fn)}, {world_size}) was still running after "
+                f"timeout_s={timeout_s} s and was killed: a hang (a rank waiting on a message "
+                "that never comes?) or too small a timeout_s"
+            )
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -3,10 +3,14 @@
 :func:`compare_dualpipev` builds the same model twice, runs ``run_microbatches`` on the
 whole of one and the executor on this rank's stages of the other over the same global
 batch, and asserts the step's loss sums and every gradient of the rank's parameters.
+:func:`zero_tags` makes every point-to-point operation use tag 0, as NCCL (which has no
+tags) does, so that on gloo too only the order of the operations can match them.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -19,12 +23,43 @@ from mt_parallel.schedule import MicroBatch, run_microbatches
 from mt_parallel.testing import rel_err
 
 
-def _build(model_config: Any, seed: int) -> torch.nn.Module:
+def _build(model_config: Any, seed: int, device: str | torch.device = "cpu") -> torch.nn.Module:
     with torch.device("meta"):
         model = build_model(model_config)
-    model.to_empty(device="cpu")
+    model.to_empty(device=device)
     model.init_weights(seed)
     return model
+
+
+@contextlib.contextmanager
+def zero_tags() -> Iterator[list[int]]:
+    """Within the block, ``dist.send``/``recv``/``isend``/``irecv`` (and so
+    ``batch_isend_irecv``) run with tag 0 whatever tag they are given; yields the tags they
+    were given, one per operation. Restores the functions on exit."""
+    from torch.distributed import distributed_c10d as c10d
+
+    given: list[int] = []
+    originals = {name: getattr(c10d, name) for name in ("send", "recv", "isend", "irecv")}
+
+    def untagged(original):
+        def run(*args, tag: int = 0, **kwargs):
+            given.append(tag)
+            return original(*args, tag=0, **kwargs)
+
+        return run
+
+    # batch_isend_irecv and P2POp look isend/irecv up in distributed_c10d: patch them there
+    # and in torch.distributed, where callers find them.
+    patched = {name: untagged(fn) for name, fn in originals.items()}
+    for module in (c10d, dist):
+        for name, fn in patched.items():
+            setattr(module, name, fn)
+    try:
+        yield given
+    finally:
+        for module in (c10d, dist):
+            for name, fn in originals.items():
+                setattr(module, name, fn)
 
 
 def _micro_batches(
@@ -44,9 +79,14 @@ def _micro_batches(
     return out
 
 
+def _to(mb: MicroBatch, device: str) -> MicroBatch:
+    positions = None if mb.positions is None else mb.positions.to(device)
+    return MicroBatch(mb.input_ids.to(device), mb.labels.to(device), positions)
+
+
 def compare_dualpipev(
     model_config: Any, *, num_micro_batches: int, rows: int, seq_len: int, seed: int = 0,
-    grad_tol: float, loss_tol: float, packed: bool = False,
+    grad_tol: float, loss_tol: float, packed: bool = False, device: str = "cpu",
 ) -> dict[str, float]:  # fmt: skip
     """Asserts that one DualPipeV step reproduces ``run_microbatches`` on one process.
 
@@ -67,17 +107,22 @@ def compare_dualpipev(
         grad_tol: bound on each gradient's relative error (norm).
         loss_tol: bound on the relative error of ce_sum, aux_loss and its terms.
         packed: two documents per row (per-document positions [B, S]).
+        device: "cpu", or "cuda" for this rank's current GPU (spawn sets it per rank);
+            both models and the batch live there, comparisons are made on the CPU.
 
     Returns:
         The worst relative errors seen.
     """
     pp = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
+    if device == "cuda":
+        device = f"cuda:{torch.cuda.current_device()}"
     mbs = _micro_batches(model_config.vocab_size, num_micro_batches, rows, seq_len, seed, packed)
+    mbs = [_to(mb, device) for mb in mbs]
     num_tokens = sum(int((mb.labels != -100).sum()) for mb in mbs)
-    reference = _build(model_config, seed)
+    reference = _build(model_config, seed, device)
     want = run_microbatches(reference, mbs, num_tokens)
-    model = _build(model_config, seed)
+    model = _build(model_config, seed, device)
     stages = split_for_dualpipev(model, rank, pp)
     executor = DualPipeVExecutor(stages, rank, pp)
     where = f"rank {rank} of pp={pp}"
@@ -88,10 +133,10 @@ def compare_dualpipev(
     for step in range(2):
         got = executor.step(mbs, num_tokens)
         assert int(got.num_tokens) == int(want.num_tokens) == num_tokens, (where, got, want)
-        worst["loss"] = max(worst["loss"], rel_err(got.ce_sum, want.ce_sum))
+        worst["loss"] = max(worst["loss"], rel_err(got.ce_sum.cpu(), want.ce_sum.cpu()))
         assert worst["loss"] <= loss_tol, f"{where}: ce_sum {got.ce_sum} vs {want.ce_sum}"
         assert float(want.aux_loss) > 0, f"{where}: the reference's aux loss is 0"
-        worst["aux"] = max(worst["aux"], rel_err(got.aux_loss, want.aux_loss))
+        worst["aux"] = max(worst["aux"], rel_err(got.aux_loss.cpu(), want.aux_loss.cpu()))
         assert worst["aux"] <= loss_tol, f"{where}: aux_loss {got.aux_loss} vs {want.aux_loss}"
         assert got.losses.keys() == want.losses.keys(), (got.losses, want.losses)
         for name, value in got.losses.items():
@@ -110,7 +155,7 @@ def compare_dualpipev(
         for name, param in mine.items():
             assert param.grad is not None, f"{where}: {name} has no gradient"
             if step == 0:
-                err = rel_err(param.grad, ref_params[name].grad)
+                err = rel_err(param.grad.cpu(), ref_params[name].grad.cpu())
                 worst["grad"] = max(worst["grad"], err)
                 assert err <= grad_tol, f"{where}: gradient of {name} differs by {err:.2e}"
                 first[name] = param.grad.clone()
@@ -129,9 +174,20 @@ def compare_dualpipev(
     return worst
 
 
-def check_dualpipev_cases(cases: list[tuple[Any, dict[str, Any]]]) -> None:
-    """Runs :func:`compare_dualpipev` for each (model config, keyword arguments) in turn."""
-    for model_config, kwargs in cases:
-        worst = compare_dualpipev(model_config, **kwargs)
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            print(f"dualpipev worst errors {worst}")
+def check_dualpipev_cases(
+    cases: list[tuple[Any, dict[str, Any]]], *, untagged: bool = False
+) -> None:
+    """Runs :func:`compare_dualpipev` for each (model config, keyword arguments) in turn.
+
+    Args:
+        cases: (model config, keyword arguments of :func:`compare_dualpipev`).
+        untagged: run every point-to-point operation with tag 0 (:func:`zero_tags`), and
+            assert that the executor sent and received through them.
+    """
+    with zero_tags() if untagged else contextlib.nullcontext([]) as given:
+        for model_config, kwargs in cases:
+            worst = compare_dualpipev(model_config, **kwargs)
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                print(f"dualpipev worst errors {worst}, tags given {sorted(set(given))}")
+    if untagged and dist.is_initialized() and dist.get_world_size() > 1:
+        assert given, f"rank {dist.get_rank()}: no point-to-point operation ran"
