@@ -111,15 +111,16 @@ class _SplitSizes:
     and checked at most once per op, however many loops (forward, input and weight
     gradients) split by them; host counts come already checked by `_check_shapes`."""
 
-    def __init__(self, tokens_per_expert_E: Tensor, num_rows: int, checked: list[int] | None):
-        self._counts_E = tokens_per_expert_E
+    def __init__(self, num_rows: int, checked: list[int] | None):
         self._num_rows = num_rows
         self._list = checked
 
-    def get(self) -> list[int]:
-        """The counts, read and checked on the first call when on the device."""
+    def get(self, tokens_per_expert_E: Tensor) -> list[int]:
+        """The counts, read from `tokens_per_expert_E` and checked on the first call when on
+        the device. The backward passes its saved counts (version-checked by autograd), not
+        the caller's tensor, which may have been reused in place since the forward."""
         if self._list is None:
-            counts = self._counts_E.tolist()  # host sync: the loop needs the split sizes
+            counts = tokens_per_expert_E.tolist()  # host sync: the loop needs the split sizes
             check_counts(counts, self._num_rows)
             self._list = counts
         return self._list
@@ -131,7 +132,8 @@ def _forward(
     if _use_grouped_mm(x_RD, w_EOD):
         offs = _offsets(tokens_per_expert_E)
         return torch._grouped_mm(x_RD, w_EOD.transpose(-2, -1), offs=offs)  # [R, O]
-    pieces = [x_e @ w_EOD[e].T for e, x_e in enumerate(torch.split(x_RD, sizes.get()))]
+    split = torch.split(x_RD, sizes.get(tokens_per_expert_E))
+    pieces = [x_e @ w_EOD[e].T for e, x_e in enumerate(split)]
     return torch.cat(pieces) if pieces else x_RD.new_zeros(x_RD.shape[0], w_EOD.shape[1])
 
 
@@ -140,7 +142,8 @@ def _input_grad(
 ) -> Tensor:
     if _use_grouped_mm(dy_RO, w_EOD) and w_EOD.shape[2] % _GROUPED_MM_ALIGN == 0:
         return torch._grouped_mm(dy_RO, w_EOD, offs=_offsets(tokens_per_expert_E))  # [R, D]
-    pieces = [g_e @ w_EOD[e] for e, g_e in enumerate(torch.split(dy_RO, sizes.get()))]
+    split = torch.split(dy_RO, sizes.get(tokens_per_expert_E))
+    pieces = [g_e @ w_EOD[e] for e, g_e in enumerate(split)]
     return torch.cat(pieces) if pieces else dy_RO.new_zeros(dy_RO.shape[0], w_EOD.shape[2])
 
 
@@ -152,7 +155,8 @@ def _weight_grad(
         offs = _offsets(tokens_per_expert_E)
         return torch._grouped_mm(dy_RO.T, x_RD, offs=offs)  # [E, O, D]
     grad_EOD = torch.zeros(w_EOD.shape, dtype=dy_RO.dtype, device=dy_RO.device)
-    pairs = zip(torch.split(dy_RO, sizes.get()), torch.split(x_RD, sizes.get()), strict=True)
+    counts = sizes.get(tokens_per_expert_E)
+    pairs = zip(torch.split(dy_RO, counts), torch.split(x_RD, counts), strict=True)
     for e, (g_e, x_e) in enumerate(pairs):
         if g_e.shape[0]:
             grad_EOD[e] = g_e.T @ x_e
@@ -242,7 +246,7 @@ def grouped_linear(
         ``y`` [R, O] in the dtype of ``x_RD`` (the autocast dtype under autocast).
     """
     checked = _check(x_RD, w_EOD, tokens_per_expert_E, bias_EO)
-    sizes = _SplitSizes(tokens_per_expert_E, x_RD.shape[0], checked)
+    sizes = _SplitSizes(x_RD.shape[0], checked)
     tokens_per_expert_E = _wide_counts(tokens_per_expert_E)
     param = w_EOD
     dtype = autocast_dtype(x_RD.device)
@@ -312,7 +316,7 @@ def grouped_linear_reference(
         ``y`` [R, O] in the dtype of ``x_RD`` (the autocast dtype under autocast).
     """
     checked = _check(x_RD, w_EOD, tokens_per_expert_E, bias_EO)
-    counts = _SplitSizes(tokens_per_expert_E, x_RD.shape[0], checked).get()
+    counts = _SplitSizes(x_RD.shape[0], checked).get(tokens_per_expert_E)
     pieces = []
     for e, x_e in enumerate(torch.split(x_RD, counts, dim=0)):
         y_e = x_e @ w_EOD[e].T  # [count_e, O], the autocast dtype under autocast
