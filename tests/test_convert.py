@@ -782,6 +782,7 @@ def test_a_conversion_failing_to_write_is_a_one_line_error_exiting_1_leaving_not
         err = capsys.readouterr().err
         assert err.startswith("mt-train: error: OSError: [Errno 28] No space left on device"), err
         assert f"--out {out} was not written (nothing is left there)" in err
+        assert f"converting {argv[2]} {argv[3]} failed" in err  # the source, named as given
         assert "Traceback" not in err and len(err.splitlines()) == 1, err
         assert list(tmp_path.iterdir()) == []
 

@@ -221,9 +221,12 @@ def _convert(args: argparse.Namespace) -> int:
         print(f"mt-train: error: {err}", file=sys.stderr)
         return 2
     except OSError as err:  # a full disk, a read-only file system: the run failed, not usage
+        # Reading the source can fail too (permissions): the message names both ends.
+        hf = args.direction == "hf-to-mt"
+        source = f"--hf {args.hf}" if hf else f"--checkpoint {args.checkpoint}"
         print(
-            f"mt-train: error: {type(err).__name__}: {err}; --out {args.out} was not written "
-            "(nothing is left there)",
+            f"mt-train: error: {type(err).__name__}: {err}; converting {source} failed and "
+            f"--out {args.out} was not written (nothing is left there)",
             file=sys.stderr,
         )
         return 1
