@@ -19,7 +19,10 @@ and up; see the test that drops the aux-loss gradient). The 2-GPU test keeps the
 reference runs the same kernels on the same shapes on the same GPU.
 """
 
+import gc
+import weakref
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -101,6 +104,32 @@ def test_stage_parameters_keep_the_models_names_and_cover_it_once():
     assert {"model.norm.weight", "lm_head.weight"} <= set(dict(last.named_parameters()))
     assert last.layer_ids == (4,) and first.layer_ids == (0,)  # 5 layers: the extra one at
     assert split_for_dualpipev(model, 1, 2)[0].layer_ids == (1, 2)  # stage 1, the V's bottom
+
+
+def test_stages_hold_the_layers_they_run_not_the_whole_model():
+    # Rank 0's last stage needs the model's aux-loss rules: bound to the model, they kept
+    # every other rank's layers alive after the split.
+    model = build_model(_qwen3(4))
+    alive = weakref.ref(model)
+    stages = split_for_dualpipev(model, 0, 2)
+    del model
+    gc.collect()
+    assert alive() is None
+    assert stages[1].is_last and stages[1].layer_ids == (3,)
+
+
+def test_sent_tensors_are_let_go_once_their_sends_complete():
+    class Work:
+        def __init__(self, done):
+            self.done = done
+
+        def is_completed(self):
+            return self.done
+
+    step = SimpleNamespace(sends=[([Work(True)], ["a"]), ([Work(True), Work(False)], ["b"]),
+                                  ([Work(False)], ["c"])])  # fmt: skip
+    DualPipeVExecutor._drop_finished_sends(step)
+    assert [tensors for _, tensors in step.sends] == [["b"], ["c"]]
 
 
 def test_executor_refuses_stages_of_another_rank():

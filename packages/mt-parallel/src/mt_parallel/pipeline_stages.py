@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
+from types import SimpleNamespace
 
 from torch import Tensor, nn
 
@@ -110,8 +112,11 @@ class PipelineStage(nn.Module):
         if self.is_last:
             self.model.norm = model.model.norm
             self.lm_head = model.lm_head
-            # A bound method, not a submodule: the config's loss rules without the layers.
-            self._auxiliary_losses = model.auxiliary_losses
+            # The model's loss rules, bound to what they read (its config; the reducer,
+            # None as the split requires) rather than to the model, which would keep every
+            # other stage's layers alive on this rank.
+            rules = SimpleNamespace(config=model.config, router_stats_reducer=None)
+            self._auxiliary_losses = partial(type(model).auxiliary_losses, rules)
 
     @property
     def is_first(self) -> bool:
