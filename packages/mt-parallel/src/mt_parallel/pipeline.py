@@ -205,6 +205,7 @@ class DualPipeVExecutor:
         if pp > 1:  # every rank joins the communicator before the first batched P2P
             dist.all_reduce(torch.zeros(1, device=self.device), group=group)
         self.weight_flushes: list[tuple[int, int, int]] = []
+        self._plans: dict[int, tuple[list[Action], list]] = {}
 
     def step(
         self, microbatches: Sequence[MicroBatch], global_num_tokens: int, *,
@@ -227,11 +228,11 @@ class DualPipeVExecutor:
                 f"global_num_tokens ({global_num_tokens}) must be positive: the number of "
                 f"labels that are not ignore_index ({ignore_index}) in the whole step"
             )
-        schedule = dualpipev_schedule(self.pp, len(microbatches))
-        actions, plan = schedule[self.rank], message_plan(schedule, self.pp)[self.rank]
+        actions, plan = self._plan(len(microbatches))
         step = _Step(microbatches, global_num_tokens, ignore_index)
         self.weight_flushes = []
         for action, receives in zip(actions, plan, strict=True):
+            self._drop_finished_sends(step)
             self._post_receives(receives, step)
             self._run(action, step)
         for works, _ in step.sends:
@@ -244,6 +245,24 @@ class DualPipeVExecutor:
                                f"unconsumed hand-overs {sorted(step.local)}, "
                                f"unconsumed receives {sorted(step.incoming)}")  # fmt: skip
         return self._result(step)
+
+    def _plan(self, num_micro_batches: int) -> tuple[list[Action], list]:
+        """This rank's actions and the receives to post before each, computed once per
+        micro-batch count (they depend on nothing else; the plan replays every rank)."""
+        if num_micro_batches not in self._plans:
+            schedule = dualpipev_schedule(self.pp, num_micro_batches)
+            plan = message_plan(schedule, self.pp)[self.rank]
+            self._plans[num_micro_batches] = (schedule[self.rank], plan)
+        return self._plans[num_micro_batches]
+
+    @staticmethod
+    def _drop_finished_sends(step: _Step) -> None:
+        """Lets go of sent tensors whose sends completed. Holding every one until the step
+        ends would keep each micro-batch's activations and gradients alive after its
+        backward, growing with the micro-batch count instead of the 2·pp+1 the schedule
+        needs."""
+        step.sends = [(works, tensors) for works, tensors in step.sends
+                      if not all(work.is_completed() for work in works)]  # fmt: skip
 
     def _run(self, action: Action, step: _Step) -> None:
         if isinstance(action, ForwardBackward):
@@ -355,6 +374,13 @@ class DualPipeVExecutor:
         if rank == self.rank:
             step.local[(kind, stage, mb)] = tensors
             return
+        # The receiver allocates [B, S, D] in the model's dtype and fp32 statistics: any
+        # other dtype would be matched by byte count (NCCL) and read as garbage, or hang.
+        hidden, stats = tensors
+        assert hidden.dtype == self.dtype and hidden.dim() == 3 and stats.dtype == torch.float32, (
+            f"rank {self.rank}: sending {hidden.dtype} {tuple(hidden.shape)} and {stats.dtype} "
+            f"to stage {stage}, which receives {self.dtype} [B, S, D] and torch.float32"
+        )
         tensors = [t.contiguous() for t in tensors if t.numel()]
         ops = [dist.P2POp(dist.isend, t, group=self.group, group_peer=rank) for t in tensors]
         if ops:
