@@ -7,14 +7,15 @@ ascending arm). Rank 0 thus holds both the first stage (embedding) and the last 
 rank pp−1 holds the V's bottom, stages pp−1 and pp, whose hand-over needs no transfer.
 
 :func:`dualpipev_schedule` writes each rank's work as a list of typed actions following
-DeepSeek's eight steps; nothing here runs a model. :class:`mt_parallel.pipeline.
-DualPipeVExecutor` runs the lists: a :class:`ForwardBackward` interleaves one micro-batch's forward with another's
-backward so that each hides the other's communication (the executor still runs them one
-after the other), and a :class:`BackwardInput` leaves
-its weight gradient to a later :class:`BackwardWeight` (mt_ops.WeightGradQueue), which
-fills what would otherwise be pipeline bubbles. Communication is not an action: a stage's
-forward output goes to stage s+1 and its input gradient to stage s−1, so the sends and
-receives follow from stage adjacency (:func:`stage_rank`).
+DeepSeek's eight steps; nothing here runs a model. ``mt_parallel.pipeline.
+DualPipeVExecutor`` runs the lists: a :class:`ForwardBackward` interleaves one
+micro-batch's forward with another's backward so that each hides the other's
+communication (the executor still runs the two one after the other), and a
+:class:`BackwardInput` leaves its weight gradient to a later :class:`BackwardWeight`
+(mt_ops.WeightGradQueue), which fills what would otherwise be pipeline bubbles.
+Communication is not an action: a stage's forward output goes to stage s+1 and its input
+gradient to stage s−1, so the sends and receives follow from stage adjacency
+(:func:`stage_rank`).
 
 :func:`mt_parallel.pipeline_sim.simulate` runs the lists in order against the cross-stage
 dependencies, refuses a schedule that misses, repeats or deadlocks on an action, and
