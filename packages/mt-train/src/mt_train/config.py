@@ -295,8 +295,9 @@ class ParallelConfig:
     """The parallel layout (ARCHITECTURE.md §5) and how collectives behave.
 
     Attributes:
-        pp: pipeline-parallel size (1 only: mt-parallel's DualPipeV executor runs pp alone,
-            not yet with FSDP/EP/CP, and the training loop does not use it yet).
+        pp: pipeline-parallel size; > 1 runs mt-parallel's DualPipeV executor, alone for now:
+            dp = cp = ep = 1 (world_size = pp), at least 2·pp micro-batches per step, no
+            validation and no FP8 yet.
         dp: data-parallel (FSDP) size; -1 takes world_size // (pp·cp·ep).
         cp: context-parallel size (zigzag sequence chunks).
         ep: expert-parallel size; must divide the number of experts.
@@ -322,12 +323,12 @@ class ParallelConfig:
         for name in ("pp", "cp", "ep"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name} ({getattr(self, name)}) must be >= 1")
-        if self.pp > 1:
+        if self.pp > 1 and (self.dp > 1 or self.cp > 1 or self.ep > 1):
             raise ValueError(
-                f"parallel.pp ({self.pp}) > 1 needs a pipeline executor in the training loop: "
-                "mt-parallel's DualPipeVExecutor runs pp alone (not yet with FSDP, EP or CP) "
-                "and mt-train does not use it yet; use parallel.pp=1 (dp, cp and ep are "
-                "available)"
+                f"parallel.pp ({self.pp}) > 1 runs alone for now: the pipeline executor does "
+                f"not compose with FSDP, CP or EP yet (got dp={self.dp}, cp={self.cp}, "
+                f"ep={self.ep}); use parallel.pp={self.pp} with dp, cp and ep at 1 (a world "
+                "size of pp), or parallel.pp=1"
             )
         if self.dp < 1 and self.dp != -1:
             raise ValueError(f"parallel.dp ({self.dp}) must be >= 1, or -1 to fill the world")
@@ -408,6 +409,42 @@ class JobConfig:
             raise ValueError(
                 f"data.document_masking needs parallel.cp=1 (got {self.parallel.cp}): the "
                 "context-parallel attention masks by global position only; turn one of them off"
+            )
+        if self.parallel.pp > 1:
+            self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        """Refuses what the pipeline (parallel.pp > 1) does not run yet, and too few
+        micro-batches or layers for its schedule."""
+        pp, training = self.parallel.pp, self.training
+        micro_batches = training.global_batch_size // max(training.micro_batch_size, 1)
+        if micro_batches < 2 * pp:
+            raise ValueError(
+                f"parallel.pp={pp} needs at least 2*pp = {2 * pp} micro-batches per step "
+                f"(DualPipeV's schedule), but training.global_batch_size "
+                f"({training.global_batch_size}) / training.micro_batch_size "
+                f"({training.micro_batch_size}) = {micro_batches}; raise "
+                f"training.global_batch_size to at least {2 * pp * training.micro_batch_size} "
+                "or lower training.micro_batch_size"
+            )
+        layers = self.model.num_hidden_layers
+        if layers < 2 * pp:
+            raise ValueError(
+                f"parallel.pp={pp} cuts the model into 2*pp = {2 * pp} stages of at least one "
+                f"layer, but model.num_hidden_layers is {layers}; use parallel.pp <= "
+                f"{max(layers // 2, 1)} or more layers"
+            )
+        if self.validation.enabled:
+            raise ValueError(
+                f"validation.path ({self.validation.path!r}) with parallel.pp={pp}: the "
+                "pipeline has no forward-only evaluation yet; leave validation.path empty "
+                "(and validation.interval 0), or use parallel.pp=1"
+            )
+        if self.precision.fp8:
+            raise ValueError(
+                f"precision.fp8 with parallel.pp={pp}: FP8 linears are not yet combined with "
+                "the pipeline's deferred weight gradients; set precision.fp8=false (or "
+                "parallel.pp=1)"
             )
 
     def to_dict(self) -> dict[str, Any]:

@@ -4,6 +4,13 @@ One step: take the rank's slice of the next global batch, run the micro-batch sc
 (mt-parallel) with the loss normalized by the global number of labelled tokens, clip
 the global gradient norm, check that loss and gradients are finite, step AdamW, log
 metrics, and save a checkpoint every `checkpoint.interval` steps and at the end.
+
+With ``parallel.pp`` > 1 (alone: world_size = pp) every rank builds and initializes the
+whole model as one process does, keeps its two DualPipeV stages (`PipelineRank`), and
+optimizes and checkpoints only their parameters, under the model's canonical names (a
+checkpoint is the same whatever the layout). Every rank reads the whole global batch and
+runs it through `DualPipeVExecutor`; the gradient norm is summed over the pipeline ranks,
+each of which holds every one of its parameters' gradients whole.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from types import SimpleNamespace
 from typing import Any, TextIO
 
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from mt_data import DataExhausted, TokenDataset, default_corpus_dir
@@ -30,6 +38,7 @@ from mt_models import build_model
 from mt_models.layers.rope import rope_type_of
 from mt_ops import FP8WeightCache
 from mt_parallel import (
+    DualPipeVExecutor,
     MicroBatch,
     ParallelDims,
     ParallelMesh,
@@ -40,6 +49,7 @@ from mt_parallel import (
     zigzag_ranges,
 )
 from mt_parallel.context_parallel import split_sample
+from mt_parallel.pipeline_stages import PipelineStage, rank_parameters, split_for_dualpipev
 from mt_train.checkpoint import (
     AsyncCheckpointer,
     Checkpoint,
@@ -85,6 +95,39 @@ log = logging.getLogger("mt_train")
 IGNORE_INDEX = -100
 
 
+class PipelineRank:
+    """What a pipeline rank optimizes and checkpoints of the model: its stages' parameters.
+
+    It stands for the model where the loop, the optimizer and the checkpoints ask for
+    parameters (`named_parameters`, `to_canonical`): each parameter is on exactly one
+    rank (a tied embedding on rank 0), under the model's own names.
+
+    Args:
+        whole: the whole model, initialized (every rank holds it; the stages share its
+            modules).
+        stages: ``split_for_dualpipev(whole, rank, pp)``.
+    """
+
+    def __init__(self, whole: torch.nn.Module, stages: tuple[PipelineStage, PipelineStage]):
+        self.whole, self.stages, self.config = whole, stages, whole.config
+
+    def named_parameters(self):
+        """This rank's ``(canonical name, parameter)`` pairs, each parameter once."""
+        return rank_parameters(self.stages)
+
+    def parameters(self):
+        """This rank's parameters."""
+        return (param for _, param in rank_parameters(self.stages))
+
+    def to_canonical(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """As the whole model's `to_canonical` (the names are its own)."""
+        return self.whole.to_canonical(tensors)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """The whole model's training FLOPs per token."""
+        return self.whole.flops_per_token(seq_len)
+
+
 @dataclass
 class TrainState:
     """Everything the loop owns: config, model, optimizer, data, layout and counters."""
@@ -108,6 +151,8 @@ class TrainState:
     signal_received: bool = False  # this rank's, set by the signal handler
     stop_requested: bool = False  # agreed by all ranks at a step boundary
     losses: list[float] = field(default_factory=list)
+    # parallel.pp > 1: the executor of this rank's stages (`model` is then a PipelineRank).
+    pipeline: DualPipeVExecutor | None = None
     # The main rank's open <run_dir>/.lock (see `_lock_run_dir`); closing it frees the run_dir.
     run_lock: TextIO | None = None
 
@@ -178,6 +223,7 @@ def setup(cfg: JobConfig) -> TrainState:
     env = init_distributed(device_type, cfg.parallel.timeout_s)
     par = cfg.parallel
     dims = ParallelDims(world_size=env.world_size, pp=par.pp, dp=par.dp, cp=par.cp, ep=par.ep)
+    check_pipeline_alone(dims)
     dims.validate_model(
         num_experts=getattr(cfg.model, "num_experts", 1),
         num_heads=cfg.model.num_attention_heads,
@@ -201,8 +247,10 @@ def setup(cfg: JobConfig) -> TrainState:
     # FP8 modules replace the linears before FSDP2 wraps them (it records the modules that
     # own each parameter); parameters and names stay, so initialization is unchanged.
     fp8_cache = apply_fp8(model, env.device) if cfg.precision.fp8 else None
-    mesh = None
-    if env.world_size > 1:
+    mesh, pipeline = None, None
+    if dims.pp > 1:
+        model, pipeline = _split_for_the_pipeline(model, dims, env, cfg.seed)
+    elif env.world_size > 1:
         mesh = parallelize(
             model,
             dims,
@@ -234,6 +282,7 @@ def setup(cfg: JobConfig) -> TrainState:
             else (None, None)
         ),
         fp8_cache=fp8_cache,
+        pipeline=pipeline,
     )
     try:
         with failing_together(f"preparing the run directory {run_dir}"):
@@ -246,6 +295,28 @@ def setup(cfg: JobConfig) -> TrainState:
             state.run_lock = None
         raise
     return state
+
+
+def check_pipeline_alone(dims: ParallelDims) -> None:
+    """Raises when parallel.pp > 1 shares the world with data parallelism: the config
+    refuses dp, cp, ep > 1 with pp > 1, but dp = -1 fills a world larger than pp."""
+    if dims.pp > 1 and dims.dp > 1:
+        raise ValueError(
+            f"parallel.pp={dims.pp} runs alone for now (no FSDP, CP or EP yet), but world_size "
+            f"{dims.world_size} gives dp={dims.dp}: launch exactly {dims.pp} processes, or use "
+            "parallel.pp=1"
+        )
+
+
+def _split_for_the_pipeline(
+    model: torch.nn.Module, dims: ParallelDims, env: Env, seed: int
+) -> tuple[PipelineRank, DualPipeVExecutor]:
+    """Initializes the whole model as one process does (so every layout starts from the
+    same weights), then keeps this rank's DualPipeV stages and their executor."""
+    model.to_empty(device=env.device)
+    model.init_weights(seed)
+    stages = split_for_dualpipev(model, env.rank, dims.pp)
+    return PipelineRank(model, stages), DualPipeVExecutor(stages, env.rank, dims.pp)
 
 
 def _refuse_a_checkpoint_as_run_dir(run_dir: str) -> None:
@@ -389,7 +460,9 @@ def _resume_or_start(state: TrainState, run_dir: Path) -> None:
     if checkpoint is not None:
         _resume(state, checkpoint)
     elif cfg.init_from:
-        source_config = init_from_weights(model, cfg.init_from)
+        # Under the pipeline every rank loads the whole model (its stages share its modules).
+        whole = model.whole if isinstance(model, PipelineRank) else model
+        source_config = init_from_weights(whole, cfg.init_from)
         log.info("initialized the model from %s (fresh optimizer)", cfg.init_from)
         differences = init_config_differences(source_config, cfg.model)
         if differences and env.is_main:
@@ -762,16 +835,27 @@ def train_step(
     lr = lr_at(step, cfg.training)
     set_lr(state.optimizer, lr)
     local_tokens = torch.stack([(mb.labels != IGNORE_INDEX).sum() for mb in microbatches])
-    global_num_tokens = int(all_reduce(local_tokens.sum()))
+    pipeline = state.pipeline
+    if pipeline is not None:  # every pipeline rank holds the whole global batch
+        global_num_tokens = int(local_tokens.sum())
+    else:
+        global_num_tokens = int(all_reduce(local_tokens.sum()))
     with state.autocast():
-        result = run_microbatches(
-            state.model, microbatches, global_num_tokens, ignore_index=IGNORE_INDEX,
-            grad_reduce=cfg.parallel.grad_reduce,
-        )  # fmt: skip
-    group = state.mesh.group("dp_cp_ep") if state.mesh else None
+        if pipeline is not None:
+            result = pipeline.step(microbatches, global_num_tokens, ignore_index=IGNORE_INDEX)
+        else:
+            result = run_microbatches(
+                state.model, microbatches, global_num_tokens, ignore_index=IGNORE_INDEX,
+                grad_reduce=cfg.parallel.grad_reduce,
+            )  # fmt: skip
+    if pipeline is not None:  # each gradient lives whole on one pipeline rank
+        group = dist.group.WORLD
+    else:
+        group = state.mesh.group("dp_cp_ep") if state.mesh else None
     max_norm = cfg.training.grad_clip if cfg.training.grad_clip > 0 else math.inf
     grad_norm = clip_grad_norm(state.model.parameters(), max_norm, group)
-    ce_sum = all_reduce(result.ce_sum.to(state.device))
+    # The pipeline's result is the whole step's already, the same on every rank.
+    ce_sum = result.ce_sum if pipeline is not None else all_reduce(result.ce_sum.to(state.device))
     loss = float(ce_sum) / global_num_tokens
     # loss and grad_norm are global (all-reduced), so every rank takes the same branch.
     if math.isfinite(loss) and math.isfinite(grad_norm):

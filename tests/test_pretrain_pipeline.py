@@ -1,0 +1,104 @@
+"""`mt-train pretrain` with parallel.pp = 2 (two gloo ranks, DualPipeV) trains as one process
+does, and its checkpoints continue under the other layout.
+
+A tiny 4-layer model (one layer per stage), 4 micro-batches of one sequence (2·pp, the
+schedule's least), an LR that changes every step, gradients clipped at every step (norm ~2,
+grad_clip 1). References, in one process: 4 steps at pp = 1, and 2 steps at pp = 1 saved.
+Two ranks then train 4 steps at pp = 2 (saving in the background), resume the pp = 1 run
+to step 4 at pp = 2, and train a third run 2 steps at pp = 2, which one process resumes to
+step 4. Every run's per-step losses and step-4 checkpoint (every parameter and AdamW
+moment, canonical keys) must match the uninterrupted pp = 1 run.
+
+Tolerances: the stages run the same kernels on the same micro-batch shapes as one process,
+so the forward agrees closely; the weight gradients are summed over micro-batches in
+another order (DualPipeV's) and, for the deferred linears, by another kernel, ~1e-7
+relative in fp32. Adam's normalization magnifies that to ~1e-5 in small tensors after 4
+steps (as in tests/test_checkpoint_layouts.py); a tensor on the wrong rank, loaded into
+the wrong place or not updated is off by O(1), and a gradient norm summed on one rank
+only clips another way (2e-4 off by step 4). Measured here (CPU, torch 2.11): equal.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from mt_parallel import ParallelDims
+from mt_parallel.testing import rel_err, spawn
+from mt_train.checkpoint import checkpoint_root, latest_checkpoint
+from mt_train.overrides import resolve_config
+from mt_train.recipes import get_recipe
+from mt_train.train import check_pipeline_alone, pretrain
+
+RUN = [
+    "model.num_hidden_layers=4", "data.seq_len=32", "training.global_batch_size=4",
+    "training.micro_batch_size=1", "training.max_steps=4", "training.warmup_steps=2",
+    "training.num_threads=1", "checkpoint.interval=2", "checkpoint.keep_last=4",
+]  # fmt: skip
+PP2 = ["parallel.pp=2"]
+LOSS_TOLERANCE = 1e-5
+TENSOR_TOLERANCE = 1e-4
+
+
+def _cfg(run_dir: Path, *overrides: str):
+    return resolve_config(get_recipe("tiny"), overrides=[*RUN, f"run_dir={run_dir}", *overrides])
+
+
+def _on_two_ranks(root: str) -> None:
+    root = Path(root)
+    state = pretrain(_cfg(root / "pp2", *PP2, "checkpoint.async_save=true"))
+    assert len(state.losses) == 4
+    assert state.pipeline is not None and state.pipeline.pp == 2
+    state = pretrain(_cfg(root / "pp1_then_pp2", *PP2))
+    assert len(state.losses) == 2, "the resumed run must start at step 3"
+    pretrain(_cfg(root / "pp2_then_pp1", *PP2, "training.max_steps=2"))
+
+
+def _final(run_dir: Path) -> tuple[dict[str, torch.Tensor], dict, list[float]]:
+    checkpoint = latest_checkpoint(checkpoint_root(run_dir))
+    assert checkpoint is not None and checkpoint.step == 4
+    dcp_to_torch_save(checkpoint.path, run_dir / "step_4.pt")
+    tensors = torch.load(run_dir / "step_4.pt")
+    data = checkpoint.train_state(needed=("data",))["data"]
+    rows = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return tensors, data, [json.loads(row)["loss"] for row in rows]
+
+
+@pytest.mark.slow
+def test_pp2_trains_saves_and_resumes_as_one_process_does(tmp_path, monkeypatch):
+    pretrain(_cfg(tmp_path / "reference"))
+    pretrain(_cfg(tmp_path / "pp1_then_pp2", "training.max_steps=2"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
+    spawn(_on_two_ranks, 2, str(tmp_path))
+    state = pretrain(_cfg(tmp_path / "pp2_then_pp1"))
+    assert len(state.losses) == 2 and state.pipeline is None
+    ref_tensors, ref_data, ref_losses = _final(tmp_path / "reference")
+    compared = {k for k in ref_tensors if k.startswith(("model/", "optim/"))}
+    assert any(k.endswith("embed_tokens.weight") for k in compared)
+    assert any(".layers.3." in k and k.endswith("exp_avg_sq") for k in compared)
+    for run in ("pp2", "pp1_then_pp2", "pp2_then_pp1"):
+        tensors, data, losses = _final(tmp_path / run)
+        assert data == ref_data, run
+        assert len(losses) == len(ref_losses) == 4, run
+        for step, (got, want) in enumerate(zip(losses, ref_losses, strict=True), start=1):
+            assert abs(got - want) <= LOSS_TOLERANCE * abs(want), f"{run}: step {step} {got} {want}"
+        assert compared == {k for k in tensors if k.startswith(("model/", "optim/"))}, run
+        assert int(tensors["optim/step"]) == 4, run
+        for key in sorted(compared - {"optim/step"}):
+            error = rel_err(tensors[key], ref_tensors[key])
+            assert error <= TENSOR_TOLERANCE, f"{run}: {key} differs by {error:.2e} (relative)"
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_pp_filling_a_larger_world_with_dp_is_refused_naming_the_processes_to_launch(world_size):
+    dims = ParallelDims(world_size=world_size, pp=2)  # dp = -1 fills the world
+    if world_size == 2:
+        check_pipeline_alone(dims)
+        return
+    with pytest.raises(ValueError, match=r"parallel.pp=2 runs alone .* world_size 4 gives "
+                       r"dp=2: launch exactly 2 processes"):  # fmt: skip
+        check_pipeline_alone(dims)
