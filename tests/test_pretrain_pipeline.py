@@ -6,8 +6,10 @@ schedule's least), an LR that changes every step, gradients clipped at every ste
 grad_clip 1). References, in one process: 4 steps at pp = 1, and 2 steps at pp = 1 saved.
 Two ranks then train 4 steps at pp = 2 (saving in the background), resume the pp = 1 run
 to step 4 at pp = 2, and train a third run 2 steps at pp = 2, which one process resumes to
-step 4. Every run's per-step losses and step-4 checkpoint (every parameter and AdamW
-moment, canonical keys) must match the uninterrupted pp = 1 run.
+step 4; and a new run from the reference's step-2 weights (init_from) at pp = 2 and at
+pp = 1. Every run's per-step losses and step-4 checkpoint (every parameter and AdamW
+moment, canonical keys) must match the uninterrupted pp = 1 run (the init_from runs' loss
+each other's).
 
 Tolerances: the stages run the same kernels on the same micro-batch shapes as one process,
 so the forward agrees closely; the weight gradients are summed over micro-batches in
@@ -56,6 +58,18 @@ def _on_two_ranks(root: str) -> None:
     state = pretrain(_cfg(root / "pp1_then_pp2", *PP2))
     assert len(state.losses) == 2, "the resumed run must start at step 3"
     pretrain(_cfg(root / "pp2_then_pp1", *PP2, "training.max_steps=2"))
+    pretrain(_cfg(root / "init_pp2", *PP2, *_init_from(root)))
+
+
+def _init_from(root: Path) -> list[str]:
+    """A new 1-step run from the reference's step-2 weights."""
+    step_2 = checkpoint_root(root / "reference") / "step_00000002"
+    return [f"init_from={step_2}", "training.max_steps=1"]
+
+
+def _losses(run_dir: Path) -> list[float]:
+    rows = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(row)["loss"] for row in rows]
 
 
 def _final(run_dir: Path) -> tuple[dict[str, torch.Tensor], dict, list[float]]:
@@ -64,8 +78,7 @@ def _final(run_dir: Path) -> tuple[dict[str, torch.Tensor], dict, list[float]]:
     dcp_to_torch_save(checkpoint.path, run_dir / "step_4.pt")
     tensors = torch.load(run_dir / "step_4.pt")
     data = checkpoint.train_state(needed=("data",))["data"]
-    rows = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return tensors, data, [json.loads(row)["loss"] for row in rows]
+    return tensors, data, _losses(run_dir)
 
 
 @pytest.mark.slow
@@ -75,6 +88,12 @@ def test_pp2_trains_saves_and_resumes_as_one_process_does(tmp_path, monkeypatch)
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
     spawn(_on_two_ranks, 2, str(tmp_path))
     state = pretrain(_cfg(tmp_path / "pp2_then_pp1"))
+    assert len(state.losses) == 2 and state.pipeline is None
+    # init_from: every pipeline rank loads the whole model before keeping its stages.
+    pretrain(_cfg(tmp_path / "init_pp1", *_init_from(tmp_path)))
+    (want,), (got,) = _losses(tmp_path / "init_pp1"), _losses(tmp_path / "init_pp2")
+    assert abs(got - want) <= LOSS_TOLERANCE * abs(want), f"init_from: {got} {want}"
+    assert abs(want - _losses(tmp_path / "reference")[0]) > 1e-3, "init_from loaded nothing"
     assert len(state.losses) == 2 and state.pipeline is None
     ref_tensors, ref_data, ref_losses = _final(tmp_path / "reference")
     compared = {k for k in ref_tensors if k.startswith(("model/", "optim/"))}
