@@ -7,8 +7,8 @@ ARCHITECTURE.md §5. `run_microbatches` is the schedule when pp == 1; `clip_grad
 clips over both meshes. For pp > 1, `dualpipev_schedule` writes DeepSeek's DualPipeV as
 per-rank lists of typed actions and `simulate` checks and times them on CPU;
 `split_for_dualpipev` cuts a model into the V's stages and `DualPipeVExecutor` runs a
-rank's list on its two stages (pp alone: not yet with FSDP/EP/CP, nor overlapping a
-ForwardBackward's halves, nor in mt-train).
+rank's list on its two stages (pp alone, as mt-train's pretrain runs it: not yet with
+FSDP/EP/CP, nor overlapping a ForwardBackward's halves).
 """
 
 from mt_parallel.context_parallel import zigzag_positions, zigzag_ranges

@@ -71,9 +71,10 @@ Results. The loss sums live on rank 0; with pp > 1 rank 0 broadcasts its
 :class:`~mt_parallel.schedule.StepResult` over the pipeline group, so every rank returns
 the same one.
 
-Not here yet: the overlap of ``ForwardBackward``'s halves, composition with FSDP (one
-gradient reduction per step), EP and CP, wiring into mt-train (which refuses pp > 1) and
-checkpoints under pp (the stages keep the model's names; see pipeline_stages).
+mt-train's pretrain runs it with pp alone, each rank optimizing and checkpointing its
+stages' parameters under the model's names (``rank_parameters``), so checkpoints keep the
+one-process layout. Not here yet: the overlap of ``ForwardBackward``'s halves and
+composition with FSDP (one gradient reduction per step), EP and CP.
 """
 
 from __future__ import annotations
