@@ -21,13 +21,11 @@ draws a bar on stderr.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import json
 import os
 import re
 import shlex
 import shutil
-import socket
 import sys
 import warnings
 from collections.abc import Iterator
@@ -63,6 +61,7 @@ from mt_train.checkpoint import (
     load_model_weights,
     reading_checkpoint,
 )
+from mt_train.files import lock_or_holder, write_holder
 
 # Files next to the weights that travel with a conversion when present.
 TOKENIZER_FILES = (
@@ -239,17 +238,14 @@ def _holding_out(out_dir: str | Path) -> Iterator[Path]:
                 "choose another --out"
             ) from None
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.seek(0)
-            holder = lock.read().strip() or "holder unknown"
-            lock.close()
+            holder = lock_or_holder(lock)
+        except OSError:  # a filesystem without flock: unguarded
+            break
+        if holder is not None:
             raise ValueError(
                 f"--out {out_dir} is being written by another conversion ({holder}); wait "
                 "for it to end, or choose another --out"
-            ) from None
-        except OSError:  # a filesystem without flock: unguarded
-            break
+            )
         try:  # a conversion that ended removed the file we locked: lock the new one
             if os.stat(path).st_ino == os.fstat(lock.fileno()).st_ino:
                 break
@@ -257,10 +253,7 @@ def _holding_out(out_dir: str | Path) -> Iterator[Path]:
             pass
         lock.close()
     try:
-        lock.seek(0)
-        lock.truncate()
-        lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-        lock.flush()
+        write_holder(lock)
         yield _check_out(out_dir)  # again: another conversion may have filled it meanwhile
     finally:
         path.unlink(missing_ok=True)  # while held: the next conversion opens a new file

@@ -16,13 +16,11 @@ each of which holds every one of its parameters' gradients whole.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import math
 import os
 import resource
-import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,7 +82,7 @@ from mt_train.faults import (
     stop_on_signals,
     write_exit_file,
 )
-from mt_train.files import write_text_durably
+from mt_train.files import lock_or_holder, write_holder, write_text_durably
 from mt_train.metrics import MetricsLogger, build_sinks, peak_flops
 from mt_train.optim import build_optimizer, lr_at, set_lr
 from mt_train.overrides import flatten
@@ -520,15 +518,7 @@ def _lock_run_dir(run_dir: Path) -> TextIO:
             f"run_dir {run_dir} cannot be written ({e}); make it writable or choose another run_dir"
         ) from None
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.seek(0)
-        holder = lock.read().strip() or "holder unknown"
-        lock.close()
-        raise ValueError(
-            f"run_dir {run_dir} is in use by another mt-train run ({holder}); wait for it "
-            "to end or choose another run_dir"
-        ) from None
+        holder = lock_or_holder(lock)
     except OSError as err:  # a filesystem without flock
         log.warning(
             "cannot lock %s (%s): make sure no other run uses this run_dir at the same time",
@@ -536,10 +526,12 @@ def _lock_run_dir(run_dir: Path) -> TextIO:
             err,
         )
         return lock
-    lock.seek(0)
-    lock.truncate()
-    lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-    lock.flush()
+    if holder is not None:
+        raise ValueError(
+            f"run_dir {run_dir} is in use by another mt-train run ({holder}); wait for it "
+            "to end or choose another run_dir"
+        )
+    write_holder(lock)
     return lock
 
 
