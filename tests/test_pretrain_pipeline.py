@@ -55,6 +55,9 @@ def _on_two_ranks(root: str) -> None:
     state = pretrain(_cfg(root / "pp2", *PP2, "checkpoint.async_save=true"))
     assert len(state.losses) == 4
     assert state.pipeline is not None and state.pipeline.pp == 2
+    # The rank keeps only its stages' weights (it initialized the whole model).
+    kept = {id(p) for p in state.model.whole.parameters()}
+    assert kept == {id(p) for p in state.model.parameters()}
     state = pretrain(_cfg(root / "pp1_then_pp2", *PP2))
     assert len(state.losses) == 2, "the resumed run must start at step 3"
     pretrain(_cfg(root / "pp2_then_pp1", *PP2, "training.max_steps=2"))

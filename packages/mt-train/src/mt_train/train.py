@@ -121,6 +121,28 @@ class PipelineRank:
         """As the whole model's `to_canonical` (the names are its own)."""
         return self.whole.to_canonical(tensors)
 
+    def release_other_stages(self) -> None:
+        """Frees the modules this rank does not run (other ranks' layers; the embedding,
+        final norm and head off rank 0), once initialization, init_from and resume are done
+        with the whole model: each replaced by an ``nn.Identity`` in place, so the rank's
+        own modules keep their names (``model.layers.<i>``) for `to_canonical`."""
+        # By parameter, not module: the executor swapped the stages' linears for deferrable
+        # ones (same parameters), so a stage may hold another module object than the model.
+        kept = {id(param) for param in self.parameters()}
+
+        def unused(module: torch.nn.Module) -> bool:
+            return not any(id(param) in kept for param in module.parameters())
+
+        layers = self.whole.model.layers
+        for i, layer in enumerate(layers):
+            if unused(layer):
+                layers[i] = torch.nn.Identity()
+        for owner, name in ((self.whole.model, "embed_tokens"), (self.whole.model, "norm"),
+                            (self.whole, "lm_head")):  # fmt: skip
+            module = getattr(owner, name)
+            if module is not None and unused(module):
+                setattr(owner, name, torch.nn.Identity())
+
     def flops_per_token(self, seq_len: int) -> float:
         """The whole model's training FLOPs per token."""
         return self.whole.flops_per_token(seq_len)
@@ -287,6 +309,8 @@ def setup(cfg: JobConfig) -> TrainState:
             if env.is_main:
                 state.run_lock = _prepare_run_dir(run_dir)
         _resume_or_start(state, run_dir)
+        if isinstance(model, PipelineRank):  # only its stages' weights from here on
+            model.release_other_stages()
     except BaseException:  # free the run_dir now, not when the traceback is collected
         if state.run_lock is not None:
             state.run_lock.close()
