@@ -6,11 +6,12 @@ the global gradient norm, check that loss and gradients are finite, step AdamW, 
 metrics, and save a checkpoint every `checkpoint.interval` steps and at the end.
 
 With ``parallel.pp`` > 1 (alone: world_size = pp) every rank builds and initializes the
-whole model as one process does, keeps its two DualPipeV stages (`PipelineRank`), and
-optimizes and checkpoints only their parameters, under the model's canonical names (a
-checkpoint is the same whatever the layout). Every rank reads the whole global batch and
-runs it through `DualPipeVExecutor`; the gradient norm is summed over the pipeline ranks,
-each of which holds every one of its parameters' gradients whole.
+whole model as one process does, keeps its two DualPipeV stages (`PipelineRank`; the
+rest is freed once setup is done), and optimizes and checkpoints only their parameters,
+under the model's canonical names (a checkpoint is the same whatever the layout). Every
+rank reads the whole global batch and runs it through `DualPipeVExecutor`; the gradient
+norm is summed over the pipeline ranks, each of which holds every one of its parameters'
+gradients whole.
 """
 
 from __future__ import annotations
@@ -101,8 +102,8 @@ class PipelineRank:
     rank (a tied embedding on rank 0), under the model's own names.
 
     Args:
-        whole: the whole model, initialized (every rank holds it; the stages share its
-            modules).
+        whole: the whole model, initialized (every rank builds it; the stages share its
+            modules, and `release_other_stages` frees the rest once setup is done).
         stages: ``split_for_dualpipev(whole, rank, pp)``.
     """
 
