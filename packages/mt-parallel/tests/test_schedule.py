@@ -112,3 +112,26 @@ def test_a_micro_batch_that_raises_under_step_reduction_leaves_gradient_sync_on(
     model.calls.clear()
     run_microbatches(model, [MicroBatch(ids, ids), MicroBatch(ids, ids)], 28, grad_reduce="step")
     assert model.calls == [False, True, True], model.calls  # only the last one reduces
+
+
+def test_loss_sums_keep_only_detached_terms_and_reduce_them():
+    from types import SimpleNamespace
+
+    from mt_parallel.schedule import LossSums
+
+    sums = LossSums()
+    assert len(sums) == 0 and float(sums.result().ce_sum) == 0.0
+    weights = torch.ones(2, requires_grad=True)
+    for scale in (1.0, 3.0):
+        term = (weights * scale).sum()  # part of a graph, as a micro-batch's loss is
+        sums.add(SimpleNamespace(ce_sum=term, num_tokens=torch.tensor(5), aux_loss=term / 10,
+                                 losses={"router_z_loss": term / 100}))  # fmt: skip
+    kept = [*sums._ce_sums, *sums._aux_losses, *sums._terms["router_z_loss"]]
+    assert len(sums) == 2 and not any(t.requires_grad for t in kept)
+    result = sums.result()
+    assert float(result.ce_sum) == 8.0 and int(result.num_tokens) == 10
+    # The terms were fp32 (0.4 and 0.04 are not exact there): means within fp32 rounding.
+    assert abs(float(result.aux_loss) - 0.4) < 1e-7
+    assert abs(result.losses["router_z_loss"] - 0.04) < 1e-8 and list(result.losses) == [
+        "router_z_loss"
+    ]

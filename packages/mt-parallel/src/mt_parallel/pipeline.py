@@ -103,7 +103,7 @@ from mt_parallel.dualpipev import (
 )
 from mt_parallel.pipeline_comm import ACTIVATION, GRADIENT, Message, message_plan
 from mt_parallel.pipeline_stages import PipelineStage
-from mt_parallel.schedule import MicroBatch, StepResult
+from mt_parallel.schedule import LossSums, MicroBatch, StepResult
 
 __all__ = ["DualPipeVExecutor"]
 
@@ -166,7 +166,7 @@ class _Step:
     # Posted receives by message key: the buffers and their pending works.
     incoming: dict[tuple[int, int, int], tuple[list[Tensor], list]] = field(default_factory=dict)
     sends: list[tuple[list, list[Tensor]]] = field(default_factory=list)  # works, tensors
-    losses: list = field(default_factory=list)  # LossOutput of each micro-batch, last stage
+    losses: LossSums = field(default_factory=LossSums)  # last stage: each micro-batch's
 
 
 class DualPipeVExecutor:
@@ -306,7 +306,7 @@ class DualPipeVExecutor:
                                   data.labels, step.ignore_index)  # fmt: skip
             loss = (loss_out.ce_sum / step.global_num_tokens
                     + loss_out.aux_loss / len(step.microbatches))  # fmt: skip
-            step.losses.append(loss_out)
+            step.losses.add(loss_out)
             step.saved[(chunk, mb)] = _Saved(inputs, [loss])
         else:
             step.saved[(chunk, mb)] = _Saved(inputs, [out.hidden_BSD, stats])
@@ -401,19 +401,7 @@ class DualPipeVExecutor:
 
     def _result(self, step: _Step) -> StepResult:
         """The step's StepResult from rank 0's losses, broadcast to every pipeline rank."""
-        result = None
-        if step.losses:
-            losses = {}
-            for name in step.losses[0].losses:
-                losses[name] = float(torch.stack([o.losses[name].detach().double()
-                                                  for o in step.losses]).mean())  # fmt: skip
-            result = StepResult(
-                ce_sum=torch.stack([o.ce_sum.detach().double() for o in step.losses]).sum().cpu(),
-                num_tokens=torch.stack([o.num_tokens.detach() for o in step.losses]).sum().cpu(),
-                aux_loss=torch.stack([o.aux_loss.detach().double()
-                                      for o in step.losses]).mean().cpu(),
-                losses=losses,
-            )  # fmt: skip
+        result = step.losses.result() if len(step.losses) else None
         if self.pp > 1:
             box = [result]
             dist.broadcast_object_list(box, group=self.group, group_src=0)

@@ -60,6 +60,46 @@ class StepResult:
     losses: dict[str, float] = field(default_factory=dict)
 
 
+class LossSums:
+    """The detached loss terms of each micro-batch a rank ran, reduced to its `StepResult`.
+
+    They stay on the device until `result`: one host transfer per step, not one per
+    micro-batch; and only the detached terms, not the micro-batch's loss output (with its
+    router statistics), live until the step ends.
+    """
+
+    def __init__(self) -> None:
+        self._ce_sums: list[torch.Tensor] = []
+        self._token_counts: list[torch.Tensor] = []
+        self._aux_losses: list[torch.Tensor] = []
+        self._terms: dict[str, list[torch.Tensor]] = {}
+
+    def __len__(self) -> int:
+        return len(self._ce_sums)
+
+    def add(self, out) -> None:
+        """Records one micro-batch's `ce_sum`, `num_tokens`, `aux_loss` and named `losses`
+        (an mt_models.LossOutput)."""
+        self._ce_sums.append(out.ce_sum.detach().double())
+        self._token_counts.append(out.num_tokens.detach())
+        self._aux_losses.append(out.aux_loss.detach().double())
+        for name, value in getattr(out, "losses", {}).items():
+            self._terms.setdefault(name, []).append(value.detach().double())
+
+    def result(self) -> StepResult:
+        """Summed cross-entropy and tokens; aux loss and its terms averaged over the
+        micro-batches (zeros when there were none)."""
+        if not self._ce_sums:
+            zero = torch.zeros((), dtype=torch.float64)
+            return StepResult(ce_sum=zero, num_tokens=zero.long(), aux_loss=zero)
+        return StepResult(
+            ce_sum=torch.stack(self._ce_sums).sum().cpu(),
+            num_tokens=torch.stack(self._token_counts).sum().cpu(),
+            aux_loss=torch.stack(self._aux_losses).mean().cpu(),
+            losses={name: float(torch.stack(v).mean()) for name, v in self._terms.items()},
+        )
+
+
 def run_microbatches(
     model: nn.Module,
     microbatches: Sequence[MicroBatch],
@@ -93,9 +133,7 @@ def run_microbatches(
     if grad_reduce not in GRAD_REDUCE:
         raise ValueError(f"grad_reduce ({grad_reduce!r}) must be one of {GRAD_REDUCE}")
     defer = grad_reduce == "step" and isinstance(model, FSDPModule)
-    # Sums stay on the device: one host transfer at the end, not one per micro-batch.
-    ce_sums, token_counts, aux_losses = [], [], []
-    terms: dict[str, list[torch.Tensor]] = {}
+    sums = LossSums()
     try:
         for i, mb in enumerate(microbatches):
             if defer:  # reduce-scatter only in the last micro-batch's backward
@@ -109,21 +147,8 @@ def run_microbatches(
             # The aux loss is a per-micro-batch mean already; average it over micro-batches.
             loss = out.ce_sum / global_num_tokens + out.aux_loss / len(microbatches)
             loss.backward()
-            ce_sums.append(out.ce_sum.detach().double())
-            token_counts.append(out.num_tokens.detach())
-            aux_losses.append(out.aux_loss.detach().double())
-            for name, value in getattr(out, "losses", {}).items():
-                terms.setdefault(name, []).append(value.detach().double())
+            sums.add(out)
     finally:
         if defer:  # a micro-batch that raised must not leave later steps unreduced
             model.set_requires_gradient_sync(True)
-    if not microbatches:
-        zero = torch.zeros((), dtype=torch.float64)
-        return StepResult(ce_sum=zero, num_tokens=zero.long(), aux_loss=zero)
-    losses = {name: float(torch.stack(v).mean()) for name, v in terms.items()}
-    return StepResult(
-        ce_sum=torch.stack(ce_sums).sum().cpu(),
-        num_tokens=torch.stack(token_counts).sum().cpu(),
-        aux_loss=torch.stack(aux_losses).mean().cpu(),
-        losses=losses,
-    )
+    return sums.result()
