@@ -297,16 +297,18 @@ def test_an_old_checkpoint_that_cannot_be_deleted_is_warned_and_the_run_goes_on(
         )
 
 
+def _saving_every_2_steps(tmp_path, max_steps):
+    """A run to `max_steps` that saves every 2 steps and keeps the last checkpoint only."""
+    return _cfg(tmp_path, f"training.max_steps={max_steps}", "checkpoint.interval=2",
+                "checkpoint.keep_last=1")  # fmt: skip
+
+
 def test_the_earlier_checkpoint_of_a_step_saved_again_that_cannot_be_deleted_is_warned(
     tmp_path, monkeypatch, caplog
 ):
     # A resumed run that redoes a step saves it again; the new checkpoint was complete and
     # in place, yet deleting the one it replaced raised and ended the run.
-    def cfg(max_steps):
-        return _cfg(tmp_path, f"training.max_steps={max_steps}", "checkpoint.interval=2",
-                    "checkpoint.keep_last=1")  # fmt: skip
-
-    state = pretrain(cfg(2))
+    state = pretrain(_saving_every_2_steps(tmp_path, 2))
     root = checkpoint_root(tmp_path)
     _undeletable_old_checkpoints(monkeypatch)
     state.skipped_steps = 7  # marks the new save's train_state.json
@@ -322,7 +324,7 @@ def test_the_earlier_checkpoint_of_a_step_saved_again_that_cannot_be_deleted_is_
         f"could not be deleted ([Errno 13] Permission denied: '{old / '__0_0.distcp'}'); what "
         f"is left of it is {old}, delete that by hand" in caplog.text
     )
-    assert pretrain(cfg(3)).step == 3
+    assert pretrain(_saving_every_2_steps(tmp_path, 3)).step == 3
 
 
 def test_old_checkpoints_of_one_step_that_cannot_be_deleted_never_block_a_later_delete(
@@ -332,11 +334,7 @@ def test_old_checkpoints_of_one_step_that_cannot_be_deleted_never_block_a_later_
     # undeletable .old-step_N already there the rename failed (directory not empty), the
     # warning named .old-step_N as what was left although .replaced-step_N was, and the
     # next start failed clearing that .replaced-step_N.
-    def cfg(max_steps):
-        return _cfg(tmp_path, f"training.max_steps={max_steps}", "checkpoint.interval=2",
-                    "checkpoint.keep_last=1")  # fmt: skip
-
-    state = pretrain(cfg(2))
+    state = pretrain(_saving_every_2_steps(tmp_path, 2))
     root = checkpoint_root(tmp_path)
     _undeletable_old_checkpoints(monkeypatch)
     for _ in range(2):  # step 2 saved again twice
@@ -347,7 +345,7 @@ def test_old_checkpoints_of_one_step_that_cannot_be_deleted_never_block_a_later_
     for left in (".old-step_00000002", ".old-step_00000002.1"):
         assert f"what is left of it is {root / left}, delete that by hand" in caplog.text
     monkeypatch.undo()
-    assert pretrain(cfg(3)).step == 3
+    assert pretrain(_saving_every_2_steps(tmp_path, 3)).step == 3
     assert sorted(p.name for p in root.iterdir()) == ["step_00000003"]
 
 
