@@ -331,10 +331,12 @@ def test_gpu_kernel_paths_agree_bit_for_bit(monkeypatch, scale_format):
     # written by TMA stores, 128×64 wgrad tiles), without TMA stores, not persistent, and
     # with pointer loads. Whole tiles, partial N, K and row tiles (masked stores that must
     # not touch the next group's rows), groups with no rows, BF16 and fp32 outputs, and
-    # accumulation into an fp32 weight gradient.
+    # accumulation into an fp32 weight gradient. N or K of 640 and 384 end in a 256-column
+    # tile whose second half lies past the end, as DeepSeek-V2-Lite's 1408 does.
     for counts, k_dim, n_dim in (
         ([0, 300, 17, 0, 700, 1], 768, 2048),
         ([0, 300, 17, 5], 272, 200),
+        ([0, 300, 17, 0, 5], 384, 640),
         ([0, 0], 256, 128),
     ):
         p = _problem(counts, k_dim, n_dim, scale_format, device="cuda")

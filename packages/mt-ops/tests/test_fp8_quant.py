@@ -9,6 +9,7 @@ from mt_ops.fp8_quant import (
     Fp8Quantized,
     _launch_1x128_kernel_for_test,
     _launch_128x128,
+    _launch_row_tiles,
     dequantize_1x128,
     dequantize_128x128,
     dequantize_tiles_transposed,
@@ -19,6 +20,7 @@ from mt_ops.fp8_quant import (
     quantize_128x128,
     quantize_128x128_reference,
     row_tiles,
+    row_tiles_reference,
     scale_to_float,
 )
 
@@ -54,6 +56,29 @@ def test_row_tiles_cover_every_row_once_and_restart_at_each_expert():
     assert starts == [0, 128, 130, 133, 261, 389]  # every expert starts a new tile
     assert tiles.group_first_tile_G.tolist() == [0, 0, 2, 3, 3, 6]
     assert torch.all(tiles.start_T[~used] == 0) and torch.all(tiles.end_T[~used] == 0)
+
+
+_CUDA = pytest.param(
+    "cuda",
+    marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")],
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", _CUDA])  # cpu: the kernel in the interpreter
+def test_row_tiles_kernel_equals_the_eager_reference(device):
+    # Empty groups first, last and in between; a group of exactly 128 rows; many programs
+    # of 64 slots (3 groups) and of 16 (300 groups).
+    gen = torch.Generator().manual_seed(0)
+    many = torch.randint(0, 400, (300,), generator=gen)
+    many[::7] = 0
+    for counts in ([0, 130, 3, 0, 300], [128], [0], [5, 0, 0], [100_000, 0, 200_000], many):
+        counts = torch.as_tensor(counts, device=device)
+        num_rows = int(counts.sum())
+        got = _launch_row_tiles(counts, num_rows)
+        expected = row_tiles_reference(counts, num_rows)
+        for name in ("start_T", "end_T", "group_T", "group_first_tile_G"):
+            assert torch.equal(getattr(got, name), getattr(expected, name).int()), (counts, name)
+        assert got.num_rows == num_rows
 
 
 @pytest.mark.parametrize("scale_format", FORMATS)

@@ -40,6 +40,12 @@ store staging fit, 4 do not) 0.80-1.00x of the kept config; wgrad scales loaded 
 global memory by the consumers instead of arriving by TMA with the tiles, 0.73-0.95x; the
 consumers loading each K step's scales just before its wgmma instead of one step ahead,
 half the speed. A plain accumulation (no promotion; not the recipe) would add 20-30%.
+Half-width tiles (2026-12-01): N = 1408 (DeepSeek-V2-Lite's expert width) ends in a tile
+whose second 128 columns lie past N, so its products and half its B loads are wasted, 1/12
+of the gate and up fprop, down dgrad and down wgrad. Giving such tiles to both warpgroups
+by rows (one wgmma per K step each) and loading B's first 128 rows only left every one of
+those GEMMs as slow as before (512-517 us against 517-521 for gate fprop in the MLP step):
+a tile's time does not follow its products or its bytes here.
 E8M0 scales take the Triton kernels: a build of these kernels reading E8M0 exponents
 stopped the H200 with an illegal instruction, not investigated for lack of device time.
 

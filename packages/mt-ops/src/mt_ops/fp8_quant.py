@@ -55,6 +55,7 @@ __all__ = [
     "quantize_1x128_dual_reference",
     "quantize_1x128_reference",
     "row_tiles",
+    "row_tiles_reference",
     "scale_to_float",
 ]
 
@@ -105,6 +106,41 @@ class RowTiles:
         return self.start_T.numel()
 
 
+# Each program sums the counts (G is small) and writes BLOCK_T tile slots: group g of slot
+# t is the number of groups whose tiles end at or before t, and the group's first row and
+# tile are the largest row and tile ends among those groups. One kernel in place of the ~20
+# small eager ones of row_tiles_reference (H200, DeepSeek-V2-Lite's fp8 expert MLP step at
+# 16k tokens: 15 kernels a step instead of 50, 0.06-0.14 ms of ~7.2 saved).
+_ROW_TILES_MAX_GROUPS = 1024  # [slots, groups] comparisons per block; more groups: eager
+
+
+@triton.jit
+def _row_tiles_kernel(
+    counts_ptr, start_ptr, end_ptr, group_ptr, first_ptr, num_groups, num_slots,
+    BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, TILE: tl.constexpr,
+):  # fmt: skip
+    g = tl.arange(0, BLOCK_G)
+    g_ok = g < num_groups
+    counts = tl.load(counts_ptr + g, mask=g_ok, other=0).to(tl.int32)
+    row_ends = tl.cumsum(counts, axis=0)
+    tile_ends = tl.cumsum((counts + TILE - 1) // TILE, axis=0)
+    if tl.program_id(0) == 0:
+        tl.store(first_ptr + g, tl.zeros_like(g), mask=g == 0)
+        tl.store(first_ptr + 1 + g, tile_ends, mask=g_ok)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    before = (tile_ends[None, :] <= t[:, None]) & g_ok[None, :]  # the groups before t's
+    group = tl.sum(before.to(tl.int32), axis=1)  # G for unused slots
+    first_tile = tl.max(tl.where(before, tile_ends[None, :], 0), axis=1)
+    first_row = tl.max(tl.where(before, row_ends[None, :], 0), axis=1)
+    end_row = tl.min(tl.where(before | ~g_ok[None, :], 2**31 - 1, row_ends[None, :]), axis=1)
+    start = first_row + TILE * (t - first_tile)
+    used = group < num_groups
+    ok = t < num_slots
+    tl.store(start_ptr + t, tl.where(used, start, 0), mask=ok)
+    tl.store(end_ptr + t, tl.where(used, tl.minimum(start + TILE, end_row), 0), mask=ok)
+    tl.store(group_ptr + t, group, mask=ok)
+
+
 def row_tiles(rows_per_group_G: Tensor, num_rows: int) -> RowTiles:
     """Splits each group's rows into 128-row tiles, on the groups' device, without host sync.
 
@@ -114,8 +150,34 @@ def row_tiles(rows_per_group_G: Tensor, num_rows: int) -> RowTiles:
         num_rows: M, the total number of rows.
 
     Returns:
-        The :class:`RowTiles`.
+        The :class:`RowTiles`; on CUDA one kernel writes them (:func:`row_tiles_reference`
+        in eager PyTorch otherwise, with the same result).
     """
+    num_groups = rows_per_group_G.numel()
+    if not use_kernels(rows_per_group_G) or not 0 < num_groups <= _ROW_TILES_MAX_GROUPS:
+        return row_tiles_reference(rows_per_group_G, num_rows)
+    return _launch_row_tiles(rows_per_group_G, num_rows)
+
+
+def _launch_row_tiles(rows_per_group_G: Tensor, num_rows: int) -> RowTiles:
+    num_groups = rows_per_group_G.numel()
+    num_slots = cdiv(num_rows, BLOCK) + num_groups
+    device = rows_per_group_G.device
+    start_T, end_T, group_T = torch.empty(3, num_slots, dtype=torch.int32, device=device)
+    first_G = torch.empty(num_groups + 1, dtype=torch.int32, device=device)
+    block_g = triton.next_power_of_2(num_groups)
+    block_t = max(16, min(64, 8192 // block_g))
+    launch(
+        _row_tiles_kernel, (cdiv(num_slots, block_t),), rows_per_group_G.contiguous(), start_T,
+        end_T, group_T, first_G, num_groups, num_slots, BLOCK_G=block_g, BLOCK_T=block_t,
+        TILE=BLOCK,
+    )  # fmt: skip
+    return RowTiles(start_T, end_T, group_T, first_G, num_rows)
+
+
+def row_tiles_reference(rows_per_group_G: Tensor, num_rows: int) -> RowTiles:
+    """:func:`row_tiles` in eager PyTorch (same arguments and result); host counts (CPU)
+    are checked, naming the first negative count or the wrong sum."""
     if rows_per_group_G.device.type == "cpu":  # free to check on the host; no sync on GPU
         check_counts(rows_per_group_G.tolist(), num_rows, "rows_per_group", "rows (num_rows)")
     counts_G = rows_per_group_G.long()
@@ -381,7 +443,7 @@ def _launch_1x128(x_MK, tiles, rowwise, colwise, scale_format, source_rows=None,
     num_row_tiles = tiles.num_tiles if segmented else cdiv(num_rows, BLOCK)
     qt = torch.empty((num_cols, num_row_tiles * BLOCK), dtype=_FP8, device=dev)
     st = _empty_scales((num_row_tiles, num_cols), scale_format, dev)
-    dummy = torch.zeros(1, dtype=torch.int32, device=dev)
+    dummy = torch.empty(1, dtype=torch.int32, device=dev)  # never read (no kernel to fill it)
     launch(
         _quant_1x128_dual_kernel, (num_row_tiles * num_col_tiles,),
         x_MK, q, _scale_storage(s), qt, _scale_storage(st),
