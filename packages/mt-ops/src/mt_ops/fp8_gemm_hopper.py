@@ -47,7 +47,11 @@ by rows (one wgmma per K step each) and loading B's first 128 rows only left eve
 those GEMMs as slow as before (512-517 us against 517-521 for gate fprop in the MLP step):
 a tile's time does not follow its products or its bytes here. Loading each K step's
 scales two steps ahead instead of one: 1-3.5% faster GEMMs in one run, the whole MLP step
-unchanged (6.92 against 7.00 ms), within the run-to-run spread.
+unchanged (6.92 against 7.00 ms), within the run-to-run spread. Four stages for 16-bit
+outputs (one [64, 128] store buffer per warpgroup, its halves stored in turn; 224 KB):
+single GEMMs 2-3% faster, the gate + up dgrad sum and Qwen3's down fprop 2-3% slower, the
+MLP step the same (DeepSeek-V2-Lite balanced 7.02 ms both ways). So neither the products,
+the bytes, the scale loads' latency nor the loads in flight set a tile's time.
 E8M0 scales take the Triton kernels: a build of these kernels reading E8M0 exponents
 stopped the H200 with an illegal instruction, not investigated for lack of device time.
 
