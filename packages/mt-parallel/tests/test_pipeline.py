@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from mt_models import build_model, deepseek_v2, gpt_oss, qwen3_moe
+from mt_parallel.fsdp import apply_fsdp_to_stages
 from mt_parallel.pipeline import DualPipeVExecutor
 from mt_parallel.pipeline_stages import rank_parameters, split_for_dualpipev, stage_layers
 from mt_parallel.testing import spawn
@@ -296,3 +297,22 @@ def test_micro_batch_losses_sum_like_run_microbatches():
     mbs = _micro_batches(256, 4, 2, 16, 0)
     assert sum(int((mb.labels != -100).sum()) for mb in mbs) == 4 * 2 * 16 - (0 + 1 + 2 + 0)
     assert all(mb.input_ids.dtype == torch.int64 for mb in mbs)
+
+
+def _pp2_dp2_cases():
+    # Untied (FSDP2 cannot shard rank 0's tied embedding under both of its stages); 4 rows a
+    # micro-batch, 2 per replica: the router statistics must be the whole micro-batch's.
+    return [(_qwen3(5, **VARIANTS[v]), {"num_micro_batches": m, **SHAPES, "rows": 4, "dp": 2})
+            for v, m in (("global_pooled", 4), ("sequence_per_layer_z", 5))]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_pp2_dp2_fsdp_matches_one_process_over_four_ranks():
+    spawn(check_dualpipev_cases, 4, _pp2_dp2_cases(), untagged=True, timeout_s=TIMEOUT_S)
+
+
+def test_fsdp_of_stages_refuses_tied_embeddings_held_by_both_stages_naming_them():
+    # pp=1 puts stage 0 (embedding) and the last stage (head = embedding) on one rank.
+    stages = split_for_dualpipev(build_model(_qwen3(4, **VARIANTS["tied_embeddings"])), 0, 1)
+    with pytest.raises(ValueError, match=r"\['model\.embed_tokens\.weight'\].*tie_word_embed"):
+        apply_fsdp_to_stages(stages, mesh=None)

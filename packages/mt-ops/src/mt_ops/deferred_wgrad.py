@@ -124,19 +124,26 @@ def weight_grad_or_defer(
     return None
 
 
-def set_weight_grad_queue(model: nn.Module, queue: WeightGradQueue | None) -> int:
+def set_weight_grad_queue(
+    model: nn.Module, queue: WeightGradQueue | None, *, fsdp_reduction_held: bool = False
+) -> int:
     """Sets (or, with None, clears) the weight-gradient queue of every module that has one.
 
     Args:
         model: Any module tree; modules with a ``wgrad_queue`` attribute are updated
             (:class:`Linear`, ``GroupedLinear``, ``FP8Linear``, ``FP8GroupedLinear``).
-            A queue for a tree with FSDP2-sharded modules is refused (ValueError).
+            A queue for a tree with FSDP2-sharded modules is refused (ValueError) unless
+            `fsdp_reduction_held`.
         queue: The queue, or None for immediate weight gradients.
+        fsdp_reduction_held: the caller has stopped FSDP2 from reducing gradients inside
+            the backward and reduces them after the flushes (a pipeline schedule does,
+            with ``mt_parallel.fsdp.hold_gradient_reduction``): flushed gradients land in
+            the gathered parameters and are reduced with the rest.
 
     Returns:
         The number of modules updated.
     """
-    if queue is not None:
+    if queue is not None and not fsdp_reduction_held:
         sharded = [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
         if sharded:
             where = "the model itself" if sharded[0] == "" else repr(sharded[0])
@@ -144,7 +151,8 @@ def set_weight_grad_queue(model: nn.Module, queue: WeightGradQueue | None) -> in
                 f"model holds FSDP2-sharded modules ({where}, {len(sharded)} in all): FSDP2 "
                 "reduce-scatters each layer's gradients inside the backward, before any flush, "
                 "so deferred weight gradients would never reach the sharded parameters; defer "
-                "weight gradients only in an unsharded model (or pass queue=None)"
+                "weight gradients only in an unsharded model, or hold FSDP2's reduction until "
+                "after the flushes and pass fsdp_reduction_held=True (or pass queue=None)"
             )
     count = 0
     for module in model.modules():

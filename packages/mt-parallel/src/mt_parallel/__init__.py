@@ -6,9 +6,10 @@ parallelism (zigzag chunks, all-gathered keys/values) and FSDP2 over the two mes
 ARCHITECTURE.md §5. `run_microbatches` is the schedule when pp == 1; `clip_grad_norm`
 clips over both meshes. For pp > 1, `dualpipev_schedule` writes DeepSeek's DualPipeV as
 per-rank lists of typed actions and `simulate` checks and times them on CPU;
-`split_for_dualpipev` cuts a model into the V's stages and `DualPipeVExecutor` runs a
-rank's list on its two stages (pp alone, as mt-train's pretrain runs it: not yet with
-FSDP/EP/CP, nor overlapping a ForwardBackward's halves).
+`split_for_dualpipev` cuts a model into the V's stages, `apply_fsdp_to_stages` shards
+them over the dp axis, and `DualPipeVExecutor` runs a rank's list on its two stages
+(with FSDP2 reducing gradients once per step; not yet with EP/CP, nor overlapping a
+ForwardBackward's halves).
 """
 
 from mt_parallel.context_parallel import zigzag_positions, zigzag_ranges
@@ -22,6 +23,7 @@ from mt_parallel.dualpipev import (
     ForwardBackward,
     dualpipev_schedule,
 )
+from mt_parallel.fsdp import apply_fsdp_to_stages
 from mt_parallel.grad_norm import clip_grad_norm
 from mt_parallel.mesh import ParallelMesh, build_mesh
 from mt_parallel.parallelize import check_batch_split, parallelize, rank_batch_slices
@@ -44,6 +46,7 @@ __all__ = [
     "PipelineStage",
     "Simulation",
     "StepResult",
+    "apply_fsdp_to_stages",
     "build_mesh",
     "check_batch_split",
     "clip_grad_norm",

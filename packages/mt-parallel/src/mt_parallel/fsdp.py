@@ -5,6 +5,15 @@ gradient reduction *sums* (FSDP2's divide factor set to 1): each rank's loss is 
 its share of the global-batch mean (the summed token losses divided by the number of
 labelled tokens in the whole step), so the sum over ranks is the single-device gradient
 of that mean, for expert and non-expert parameters alike (ARCHITECTURE.md §5).
+
+Under DualPipeV (:func:`apply_fsdp_to_stages`) each of a rank's two stages is a root of
+its own. A pipeline step runs many backward passes, and the weight gradients of the
+deferrable linears arrive after them (zero bubble), so the reduction is held for the
+whole step (:func:`hold_gradient_reduction`: gradients accumulate, unsharded, in the
+gathered parameters, which stay gathered) and run once at its end
+(:func:`reduce_held_gradients`), as ``torch.distributed.pipelining`` does for its
+zero-bubble schedules: FSDP2 has no public call for "reduce now", so both reach into the
+same state that pipelining's stage does.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from torch.distributed.fsdp import (
 )
 
 from mt_models.layers.experts import GroupedExperts
+from mt_ops import make_weight_grads_deferrable
 from mt_parallel.mesh import ParallelMesh
 
 
@@ -45,21 +55,99 @@ def apply_fsdp(
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for module in list(model.modules()):
         if isinstance(module, GroupedExperts):
-            fully_shard(
-                module, mesh=mesh.expert, mp_policy=policy,
-                reshard_after_forward=reshard_after_forward,
-            )
-            if hasattr(module, "forward_tokens"):  # the local dispatcher's fused entry
-                register_fsdp_forward_method(module, "forward_tokens")
+            _shard_experts(module, mesh, policy, reshard_after_forward)
     for layer in _decoder_layers(model):
         fully_shard(
             layer, mesh=mesh.dense, mp_policy=policy, reshard_after_forward=reshard_after_forward
         )
     fully_shard(model, mesh=mesh.dense, mp_policy=policy, reshard_after_forward=False)
+    _sum_reductions(model)
+
+
+def _shard_experts(
+    module: GroupedExperts, mesh: ParallelMesh, policy: MixedPrecisionPolicy,
+    reshard_after_forward: bool,
+) -> None:  # fmt: skip
+    fully_shard(
+        module, mesh=mesh.expert, mp_policy=policy, reshard_after_forward=reshard_after_forward
+    )
+    if hasattr(module, "forward_tokens"):  # the local dispatcher's fused entry
+        register_fsdp_forward_method(module, "forward_tokens")
+
+
+def _sum_reductions(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+
+
+def apply_fsdp_to_stages(
+    stages: tuple[nn.Module, nn.Module],
+    mesh: ParallelMesh,
+    *,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = torch.float32,
+    reshard_after_forward: bool = True,
+) -> None:
+    """Shards a pipeline rank's two DualPipeV stages (``split_for_dualpipev``): experts,
+    then each decoder layer, then each stage as a root of its own (its embedding, final
+    norm and head). The stages' ``nn.Linear`` layers are first swapped for deferrable ones
+    (``make_weight_grads_deferrable``, as the executor does), since FSDP2 records the
+    modules that own each parameter.
+
+    Args:
+        stages: the rank's (chunk 0, chunk 1), materialized and initialized.
+        mesh: the run's mesh (its pp axis separates the pipelines; the others shard).
+        param_dtype, reduce_dtype, reshard_after_forward: as for :func:`apply_fsdp`.
+    """
+    shared = {id(p) for p in stages[0].parameters()} & {id(p) for p in stages[1].parameters()}
+    if shared:
+        names = [n for n, p in stages[1].named_parameters() if id(p) in shared]
+        raise ValueError(
+            f"both stages of this rank hold {names} (tied input and output embeddings, "
+            "which put stage 0 and the last stage on pipeline rank 0): FSDP2 cannot shard "
+            "one parameter under two roots; use an untied model (tie_word_embeddings=False) "
+            "with pipeline and data parallelism, or parallel.dp=1"
+        )
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for stage in stages:
+        make_weight_grads_deferrable(stage)
+        for module in list(stage.modules()):
+            if isinstance(module, GroupedExperts):
+                _shard_experts(module, mesh, policy, reshard_after_forward)
+        for layer in stage.model.layers.values():
+            fully_shard(
+                layer, mesh=mesh.dense, mp_policy=policy,
+                reshard_after_forward=reshard_after_forward,
+            )
+        fully_shard(stage, mesh=mesh.dense, mp_policy=policy, reshard_after_forward=False)
+        _sum_reductions(stage)
+
+
+def hold_gradient_reduction(root: FSDPModule) -> None:
+    """Until :func:`reduce_held_gradients`, the backward passes through `root` (an FSDP2
+    root and everything sharded under it) accumulate unsharded gradients and keep the
+    parameters gathered, reducing nothing."""
+    root.set_is_last_backward(False)
+    root.set_reshard_after_backward(False)
+    root.set_requires_gradient_sync(False)
+
+
+def reduce_held_gradients(root: FSDPModule) -> None:
+    """Reduce-scatters every gradient accumulated under `root` since
+    :func:`hold_gradient_reduction` (those the backward passes left and those written
+    later, by deferred weight-gradient GEMMs, into the gathered parameters' ``.grad``) into
+    the sharded parameters' ``.grad``, and reshards the parameters. A collective over the
+    root's mesh: every rank holding a shard of it must call it, in the same order."""
+    root.set_is_last_backward(True)
+    root.set_reshard_after_backward(True)
+    root.set_requires_gradient_sync(True)
+    state = fully_shard.state(root)
+    for each in state._state_ctx.all_states:
+        if each._fsdp_param_group:
+            each._fsdp_param_group.post_backward()
+    state._root_post_backward_final_callback()
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:

@@ -71,22 +71,33 @@ Results. The loss sums live on rank 0; with pp > 1 rank 0 broadcasts its
 :class:`~mt_parallel.schedule.StepResult` over the pipeline group, so every rank returns
 the same one.
 
+Data parallelism. With the stages sharded by FSDP2 over the dp axis
+(:func:`~mt_parallel.fsdp.apply_fsdp_to_stages`), each dp replica runs its own pipeline on
+its rows of every micro-batch: the gradient reduction is held through the step's backward
+passes and deferred weight gradients and run once, after the last action
+(:func:`~mt_parallel.fsdp.hold_gradient_reduction`, :func:`~mt_parallel.fsdp.
+reduce_held_gradients`), and the last stage reduces each layer's router statistics over
+the replicas (``stats_reducer``) before the loss, so the load-balancing loss is the whole
+micro-batch's. ``global_num_tokens`` counts the labels of every replica; the loss sums of
+the returned :class:`~mt_parallel.schedule.StepResult` are the replica's own.
+
 mt-train's pretrain runs it with pp alone, each rank optimizing and checkpointing its
 stages' parameters under the model's names (``rank_parameters``), so checkpoints keep the
-one-process layout. Not here yet: the overlap of ``ForwardBackward``'s halves and
-composition with FSDP (one gradient reduction per step), EP and CP.
+one-process layout. Not here yet: the overlap of ``ForwardBackward``'s halves, and
+composition with EP and CP.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
 
 from mt_models.protocol import RouterStats
 from mt_ops import WeightGradQueue, make_weight_grads_deferrable, set_weight_grad_queue
@@ -101,6 +112,7 @@ from mt_parallel.dualpipev import (
     stage_of,
     stage_rank,
 )
+from mt_parallel.fsdp import hold_gradient_reduction, reduce_held_gradients
 from mt_parallel.pipeline_comm import ACTIVATION, GRADIENT, Message, message_plan
 from mt_parallel.pipeline_stages import PipelineStage
 from mt_parallel.schedule import LossSums, MicroBatch, StepResult
@@ -178,6 +190,11 @@ class DualPipeVExecutor:
         rank: this rank's index in the pipeline group.
         pp: pipeline ranks (1: both stages here, no communication).
         group: the pipeline process group (None: the default group); unused when pp == 1.
+        stats_reducer: makes one layer's router statistics those of the whole micro-batch
+            (``partial(reduce_router_stats, ...)`` over the dp replicas; None: this
+            replica's are the whole micro-batch's).
+        activation_dtype: dtype of the hidden states between stages (None: the parameters'
+            dtype; FSDP2 mixed precision computes in its ``param_dtype``).
 
     Attributes:
         weight_flushes: per ``BackwardWeight`` (or ``Backward``) of the last step, in order,
@@ -186,7 +203,9 @@ class DualPipeVExecutor:
 
     def __init__(
         self, stages: tuple[PipelineStage, PipelineStage], rank: int, pp: int,
-        group: dist.ProcessGroup | None = None,
+        group: dist.ProcessGroup | None = None, *,
+        stats_reducer: Callable[[RouterStats], RouterStats] | None = None,
+        activation_dtype: torch.dtype | None = None,
     ) -> None:  # fmt: skip
         for chunk, stage in enumerate(stages):
             if stage.stage != stage_of(rank, chunk, pp) or stage.num_stages != 2 * pp:
@@ -199,10 +218,12 @@ class DualPipeVExecutor:
             raise ValueError(f"rank ({rank}) must be this process's rank in the pipeline group "
                              f"({dist.get_rank(group)})")  # fmt: skip
         self.stages, self.rank, self.pp, self.group = stages, rank, pp, group
+        self.stats_reducer = stats_reducer
         for stage in stages:
-            make_weight_grads_deferrable(stage)
+            make_weight_grads_deferrable(stage)  # (a no-op on linears already swapped)
         param = next(stages[0].parameters())
-        self.device, self.dtype = param.device, param.dtype  # of the hidden states
+        self.device = param.device
+        self.dtype = activation_dtype or param.dtype  # of the hidden states
         if pp > 1:  # every rank joins the communicator before the first batched P2P
             dist.all_reduce(torch.zeros(1, device=self.device), group=group)
         self.weight_flushes: list[tuple[int, int, int]] = []
@@ -232,6 +253,9 @@ class DualPipeVExecutor:
         actions, plan = self._plan(len(microbatches))
         step = _Step(microbatches, global_num_tokens, ignore_index)
         self.weight_flushes = []
+        roots = [stage for stage in self.stages if isinstance(stage, FSDPModule)]
+        for root in roots:
+            hold_gradient_reduction(root)
         for action, receives in zip(actions, plan, strict=True):
             self._drop_finished_sends(step)
             self._post_receives(receives, step)
@@ -245,6 +269,8 @@ class DualPipeVExecutor:
             raise RuntimeError(f"rank {self.rank}: the step ended with work left: {left}, "
                                f"unconsumed hand-overs {sorted(step.local)}, "
                                f"unconsumed receives {sorted(step.incoming)}")  # fmt: skip
+        for root in roots:  # chunk 0, then chunk 1: the same order on every replica
+            reduce_held_gradients(root)
         return self._result(step)
 
     def _plan(self, num_micro_batches: int) -> tuple[list[Action], list]:
@@ -293,7 +319,9 @@ class DualPipeVExecutor:
             inputs = [t.requires_grad_() for t in received]
             x = inputs[0]
         queue = step.queues[(chunk, mb)] = WeightGradQueue()
-        set_weight_grad_queue(stage, queue)  # read by each linear's autograd at forward time
+        # Read by each linear's autograd at forward time. Under FSDP2 the step holds the
+        # gradient reduction until its end (step()), after every flush.
+        set_weight_grad_queue(stage, queue, fsdp_reduction_held=isinstance(stage, FSDPModule))
         try:
             out = stage(x, data.positions)
         finally:
@@ -302,8 +330,10 @@ class DualPipeVExecutor:
         stats = torch.cat([stats_in, _flatten_stats(out.router_stats, self.device)])
         if stage.is_last:
             experts = stage.experts_before + stage.experts_here
-            loss_out = stage.loss(out.hidden_BSD, _unflatten_stats(stats, experts, batch),
-                                  data.labels, step.ignore_index)  # fmt: skip
+            router_stats = _unflatten_stats(stats, experts, batch)
+            if self.stats_reducer is not None:
+                router_stats = [self.stats_reducer(layer) for layer in router_stats]
+            loss_out = stage.loss(out.hidden_BSD, router_stats, data.labels, step.ignore_index)
             loss = (loss_out.ce_sum / step.global_num_tokens
                     + loss_out.aux_loss / len(step.microbatches))  # fmt: skip
             step.losses.add(loss_out)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from functools import partial
 from types import SimpleNamespace
 
+import torch
 from torch import Tensor, nn
 
 from mt_models.base import CausalLM, LossOutput
@@ -81,6 +82,11 @@ class StageOutput:
 
     hidden_BSD: Tensor
     router_stats: list[RouterStats]
+
+
+# A pytree node, so FSDP2 finds the tensors of a sharded stage's output (its pre-backward
+# hooks), as mt_models registers its layers' outputs.
+torch.export.register_dataclass(StageOutput)
 
 
 class PipelineStage(nn.Module):

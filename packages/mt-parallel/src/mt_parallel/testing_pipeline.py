@@ -2,7 +2,8 @@
 
 :func:`compare_dualpipev` builds the same model twice, runs ``run_microbatches`` on the
 whole of one and the executor on this rank's stages of the other over the same global
-batch, and asserts the step's loss sums and every gradient of the rank's parameters.
+batch, and asserts the step's loss sums and every gradient of the rank's parameters (with
+``dp`` > 1: of the FSDP2-sharded stages of dp pipelines, each on its rows of the batch).
 :func:`zero_tags` makes every point-to-point operation use tag 0, as NCCL (which has no
 tags) does, so that on gloo too only the order of the operations can match them.
 """
@@ -10,16 +11,22 @@ tags) does, so that on gloo too only the order of the operations can match them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from mt_models import build_model
+from mt_parallel.dims import ParallelDims
+from mt_parallel.fsdp import apply_fsdp_to_stages
+from mt_parallel.mesh import build_mesh
 from mt_parallel.pipeline import DualPipeVExecutor
 from mt_parallel.pipeline_stages import rank_parameters, split_for_dualpipev
 from mt_parallel.schedule import MicroBatch, run_microbatches
+from mt_parallel.stats import reduce_router_stats
 from mt_parallel.testing import rel_err
 
 
@@ -84,19 +91,36 @@ def _to(mb: MicroBatch, device: str) -> MicroBatch:
     return MicroBatch(mb.input_ids.to(device), mb.labels.to(device), positions)
 
 
+def _rows(mb: MicroBatch, index: int, parts: int) -> MicroBatch:
+    """Part `index` of `parts` of a micro-batch's rows (a dp replica's)."""
+    n = mb.input_ids.shape[0] // parts
+    rows = slice(index * n, (index + 1) * n)
+    positions = None if mb.positions is None else mb.positions[rows]
+    return MicroBatch(mb.input_ids[rows], mb.labels[rows], positions)
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A gradient as one tensor on the CPU (an FSDP2 shard gathered: a collective)."""
+    full = getattr(tensor, "full_tensor", None)
+    return (full() if full is not None else tensor).cpu()
+
+
 def compare_dualpipev(
     model_config: Any, *, num_micro_batches: int, rows: int, seq_len: int, seed: int = 0,
-    grad_tol: float, loss_tol: float, packed: bool = False, device: str = "cpu",
+    grad_tol: float, loss_tol: float, packed: bool = False, device: str = "cpu", dp: int = 1,
 ) -> dict[str, float]:  # fmt: skip
     """Asserts that one DualPipeV step reproduces ``run_microbatches`` on one process.
 
-    Runs on each rank of the default group (pp = world size), or in this process with
-    pp = 1 when no group is initialized. Asserts: ``ce_sum`` and ``num_tokens`` equal, the
-    aux loss and its terms within `loss_tol` relative, every gradient of the rank's
-    parameters within `grad_tol` relative (norm), no gradient on parameters of other
-    ranks' stages, every parameter on exactly one rank, and each (chunk, micro-batch)'s
-    weight gradients flushed exactly once, none empty. A second step from zeroed gradients
-    must give the same gradients again (nothing carried over between steps).
+    Runs on each rank of the default group (pp = world size / dp), or in this process with
+    pp = 1 when no group is initialized. With dp > 1 the stages are sharded by FSDP2 over
+    the dp axis, each replica runs its rows of every micro-batch, and the loss sums are
+    added over the replicas before they are compared. Asserts: ``ce_sum`` and
+    ``num_tokens`` equal, the aux loss and its terms within `loss_tol` relative, every
+    gradient of the rank's parameters within `grad_tol` relative (norm), no gradient on
+    parameters of other ranks' stages, every parameter on exactly one rank of a pipeline,
+    and each (chunk, micro-batch)'s weight gradients flushed exactly once, none empty. A
+    second step from zeroed gradients must give the same gradients again (nothing carried
+    over between steps).
 
     Args:
         model_config: an mt-models family config (built fp32 on the CPU).
@@ -109,14 +133,23 @@ def compare_dualpipev(
         packed: two documents per row (per-document positions [B, S]).
         device: "cpu", or "cuda" for this rank's current GPU (spawn sets it per rank);
             both models and the batch live there, comparisons are made on the CPU.
+        dp: data-parallel replicas (rows must divide by it).
 
     Returns:
         The worst relative errors seen.
     """
-    pp = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    pp = world // dp
     if device == "cuda":
         device = f"cuda:{torch.cuda.current_device()}"
+    group, dp_group, reducer, dp_rank = None, None, None, 0
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if dp > 1:
+        mesh = build_mesh(ParallelDims(world_size=world, pp=pp, dp=dp), torch.device(device).type)
+        rank, dp_rank = mesh.rank("pp"), mesh.rank("dp")
+        group, dp_group = mesh.group("pp"), mesh.group("dp")
+        reducer = partial(reduce_router_stats, everyone=mesh.group("dp_cp_ep"),
+                          batch=mesh.group("dp_ep"), context=mesh.group("cp"))  # fmt: skip
     mbs = _micro_batches(model_config.vocab_size, num_micro_batches, rows, seq_len, seed, packed)
     mbs = [_to(mb, device) for mb in mbs]
     num_tokens = sum(int((mb.labels != -100).sum()) for mb in mbs)
@@ -124,14 +157,21 @@ def compare_dualpipev(
     want = run_microbatches(reference, mbs, num_tokens)
     model = _build(model_config, seed, device)
     stages = split_for_dualpipev(model, rank, pp)
-    executor = DualPipeVExecutor(stages, rank, pp)
-    where = f"rank {rank} of pp={pp}"
+    if dp > 1:
+        apply_fsdp_to_stages(stages, mesh)
+    executor = DualPipeVExecutor(stages, rank, pp, group, stats_reducer=reducer)
+    mine_mbs = [_rows(mb, dp_rank, dp) for mb in mbs]
+    where = f"rank {rank} of pp={pp}" + (f", replica {dp_rank} of dp={dp}" if dp > 1 else "")
     worst = {"loss": 0.0, "aux": 0.0, "grad": 0.0}
     ref_params = dict(reference.named_parameters())
     mine = dict(rank_parameters(stages))
     first: dict[str, torch.Tensor] = {}
     for step in range(2):
-        got = executor.step(mbs, num_tokens)
+        got = executor.step(mine_mbs, num_tokens)
+        if dp > 1:  # each replica's sums: added up
+            sums = torch.stack([got.ce_sum.double(), got.num_tokens.double()])
+            dist.all_reduce(sums, group=dp_group)
+            got = dataclasses.replace(got, ce_sum=sums[0], num_tokens=sums[1].round().long())
         assert int(got.num_tokens) == int(want.num_tokens) == num_tokens, (where, got, want)
         worst["loss"] = max(worst["loss"], rel_err(got.ce_sum.cpu(), want.ce_sum.cpu()))
         assert worst["loss"] <= loss_tol, f"{where}: ce_sum {got.ce_sum} vs {want.ce_sum}"
@@ -152,21 +192,22 @@ def compare_dualpipev(
                           for name, m in stage.named_modules()) for stage in stages]  # fmt: skip
         wrong = [(c, m, n) for c, m, n in executor.weight_flushes if n != deferrable[c]]
         assert not wrong, f"{where}: W flushed (chunk, mb, count) {wrong}, not {deferrable}"
-        for name, param in mine.items():
+        for name, param in sorted(mine.items()):  # (one order: gathering shards is collective)
             assert param.grad is not None, f"{where}: {name} has no gradient"
+            grad = _whole(param.grad)
             if step == 0:
-                err = rel_err(param.grad.cpu(), ref_params[name].grad.cpu())
+                err = rel_err(grad, ref_params[name].grad.cpu())
                 worst["grad"] = max(worst["grad"], err)
                 assert err <= grad_tol, f"{where}: gradient of {name} differs by {err:.2e}"
-                first[name] = param.grad.clone()
+                first[name] = grad
             else:
-                assert torch.equal(param.grad, first[name]), f"{where}: step 2 {name} differs"
+                assert torch.equal(grad, first[name]), f"{where}: step 2 {name} differs"
             param.grad = None
     others = [n for n, p in model.named_parameters() if n not in mine and p.grad is not None]
     assert not others, f"{where}: parameters of other ranks' stages got gradients: {others}"
     names = [None] * pp
     if dist.is_initialized():
-        dist.all_gather_object(names, sorted(mine))
+        dist.all_gather_object(names, sorted(mine), group=group)
     else:
         names = [sorted(mine)]
     held = [n for rank_names in names for n in rank_names]
