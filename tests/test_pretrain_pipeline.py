@@ -29,12 +29,11 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from mt_parallel import ParallelDims
 from mt_parallel.testing import rel_err, spawn
 from mt_train.checkpoint import checkpoint_root, latest_checkpoint
 from mt_train.overrides import resolve_config
 from mt_train.recipes import get_recipe
-from mt_train.train import check_pipeline_alone, pretrain
+from mt_train.train import pretrain
 
 RUN = [
     "model.num_hidden_layers=4", "data.seq_len=32", "training.global_batch_size=4",
@@ -115,12 +114,38 @@ def test_pp2_trains_saves_and_resumes_as_one_process_does(tmp_path, monkeypatch)
             assert error <= TENSOR_TOLERANCE, f"{run}: {key} differs by {error:.2e} (relative)"
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_pp_filling_a_larger_world_with_dp_is_refused_naming_the_processes_to_launch(world_size):
-    dims = ParallelDims(world_size=world_size, pp=2)  # dp = -1 fills the world
-    if world_size == 2:
-        check_pipeline_alone(dims)
-        return
-    with pytest.raises(ValueError, match=r"parallel.pp=2 runs alone .* world_size 4 gives "
-                       r"dp=2: launch exactly 2 processes"):  # fmt: skip
-        check_pipeline_alone(dims)
+# pp = 2 with dp = 2 (four gloo ranks, FSDP2 over each stage's two replicas): micro-batches
+# of 2 sequences (1 per replica), 4 of them (2·pp).
+DP2 = ["training.global_batch_size=8", "training.micro_batch_size=2"]
+PP2_DP2 = [*PP2, "parallel.dp=2", *DP2]
+
+
+def _on_four_ranks(root: str) -> None:
+    root = Path(root)
+    state = pretrain(_cfg(root / "pp2_dp2", *PP2_DP2))
+    assert len(state.losses) == 4
+    assert state.pipeline is not None and (state.dims.pp, state.dims.dp) == (2, 2)
+    state = pretrain(_cfg(root / "pp1_then_pp2_dp2", *PP2_DP2))
+    assert len(state.losses) == 2, "the resumed run must start at step 3"
+    pretrain(_cfg(root / "pp2_dp2_then_pp1", *PP2_DP2, "training.max_steps=2"))
+
+
+@pytest.mark.slow
+def test_pp2_dp2_trains_saves_and_resumes_as_one_process_does(tmp_path, monkeypatch):
+    pretrain(_cfg(tmp_path / "reference", *DP2))
+    pretrain(_cfg(tmp_path / "pp1_then_pp2_dp2", *DP2, "training.max_steps=2"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
+    spawn(_on_four_ranks, 4, str(tmp_path))
+    state = pretrain(_cfg(tmp_path / "pp2_dp2_then_pp1", *DP2))
+    assert len(state.losses) == 2 and state.pipeline is None
+    ref_tensors, ref_data, ref_losses = _final(tmp_path / "reference")
+    compared = {k for k in ref_tensors if k.startswith(("model/", "optim/"))}
+    for run in ("pp2_dp2", "pp1_then_pp2_dp2", "pp2_dp2_then_pp1"):
+        tensors, data, losses = _final(tmp_path / run)
+        assert data == ref_data, run
+        for step, (got, want) in enumerate(zip(losses, ref_losses, strict=True), start=1):
+            assert abs(got - want) <= LOSS_TOLERANCE * abs(want), f"{run}: step {step} {got} {want}"
+        assert compared == {k for k in tensors if k.startswith(("model/", "optim/"))}, run
+        for key in sorted(compared - {"optim/step"}):
+            error = rel_err(tensors[key], ref_tensors[key])
+            assert error <= TENSOR_TOLERANCE, f"{run}: {key} differs by {error:.2e} (relative)"

@@ -79,11 +79,12 @@ def test_pipeline_layouts_it_does_not_run_yet_are_refused_naming_the_keys_and_fi
     tiny = ["model.num_hidden_layers=4", "training.global_batch_size=4",
             "training.micro_batch_size=1"]  # fmt: skip
     cfg = resolve_config(get_recipe("tiny"), overrides=[*tiny, "parallel.pp=2"])
-    assert cfg.parallel.pp == 2  # pp alone, 4 micro-batches, 4 layers: accepted
+    assert cfg.parallel.pp == 2  # 4 micro-batches, 4 layers: accepted
+    cfg = resolve_config(get_recipe("tiny"), overrides=[*tiny, "parallel.pp=2", "parallel.dp=2"])
+    assert (cfg.parallel.pp, cfg.parallel.dp) == (2, 2)  # with data parallelism too
     for bad, rule in (
-        ("parallel.dp=2", r"parallel.pp \(2\) > 1 runs alone .* dp=2, cp=1, ep=1"),
-        ("parallel.cp=2", r"does not compose with FSDP, CP or EP yet .* cp=2"),
-        ("parallel.ep=2", r"ep=2\); use parallel.pp=2 with dp, cp and ep at 1"),
+        ("parallel.cp=2", r"composes with data parallelism \(dp\) only .* cp=2, ep=1"),
+        ("parallel.ep=2", r"ep=2\); use parallel.pp=2 with cp and ep at 1"),
         ("training.micro_batch_size=2", r"at least 2\*pp = 4 micro-batches .* "
          r"training.global_batch_size \(4\) / training.micro_batch_size \(2\) = 2; raise "
          r"training.global_batch_size to at least 8"),

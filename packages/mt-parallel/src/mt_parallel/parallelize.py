@@ -16,7 +16,6 @@ load-balancing loss computed over it.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from functools import partial
 
 import torch
 from torch import Tensor, nn
@@ -27,7 +26,7 @@ from mt_parallel.dims import ParallelDims, check_cp_divides_seq_len, check_ep_di
 from mt_parallel.expert_parallel import apply_expert_parallel
 from mt_parallel.fsdp import apply_fsdp
 from mt_parallel.mesh import ParallelMesh, build_mesh
-from mt_parallel.stats import reduce_router_stats
+from mt_parallel.stats import router_stats_reducer
 
 
 def apply_context_parallel(model: nn.Module, group) -> int:
@@ -102,12 +101,7 @@ def parallelize(
     if dims.cp > 1:
         apply_context_parallel(model, mesh.group("cp"))
     if hasattr(model, "router_stats_reducer"):
-        model.router_stats_reducer = partial(
-            reduce_router_stats,
-            everyone=mesh.group("dp_cp_ep"),
-            batch=mesh.group("dp_ep"),
-            context=mesh.group("cp"),
-        )
+        model.router_stats_reducer = router_stats_reducer(mesh)
     apply_fsdp(
         model,
         mesh,

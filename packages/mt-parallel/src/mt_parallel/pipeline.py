@@ -81,7 +81,7 @@ the replicas (``stats_reducer``) before the loss, so the load-balancing loss is 
 micro-batch's. ``global_num_tokens`` counts the labels of every replica; the loss sums of
 the returned :class:`~mt_parallel.schedule.StepResult` are the replica's own.
 
-mt-train's pretrain runs it with pp alone, each rank optimizing and checkpointing its
+mt-train's pretrain runs it with pp (and dp), each rank optimizing and checkpointing its
 stages' parameters under the model's names (``rank_parameters``), so checkpoints keep the
 one-process layout. Not here yet: the overlap of ``ForwardBackward``'s halves, and
 composition with EP and CP.

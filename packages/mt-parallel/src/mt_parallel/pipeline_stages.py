@@ -200,8 +200,9 @@ def split_for_dualpipev(model: CausalLM, rank: int, pp: int) -> tuple[PipelineSt
     if model.router_stats_reducer is not None:
         raise ValueError(
             "model.router_stats_reducer is set (router statistics reduced over data-parallel "
-            "ranks): the pipeline executor does not compose with dp/cp/ep yet; split a model "
-            "without it (pp alone)"
+            "ranks inside the model): the pipeline reduces them at its last stage instead; "
+            "split a model without it and pass the reducer to DualPipeVExecutor "
+            "(stats_reducer)"
         )
     ranges = stage_layers(len(model.model.layers), pp)
     return tuple(

@@ -17,7 +17,9 @@ reduction adds up the ranks' contributions afterwards, as for any other loss ter
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -96,3 +98,14 @@ def reduce_router_stats(
         **per_sequence,
     )
 
+
+
+def router_stats_reducer(mesh) -> Callable[[RouterStats], RouterStats]:
+    """:func:`reduce_router_stats` over a :class:`~mt_parallel.mesh.ParallelMesh`'s groups
+    (a model's ``router_stats_reducer``, or the pipeline's ``stats_reducer``)."""
+    return partial(
+        reduce_router_stats,
+        everyone=mesh.group("dp_cp_ep"),
+        batch=mesh.group("dp_ep"),
+        context=mesh.group("cp"),
+    )

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator
-from functools import partial
 from typing import Any
 
 import torch
@@ -26,7 +25,7 @@ from mt_parallel.mesh import build_mesh
 from mt_parallel.pipeline import DualPipeVExecutor
 from mt_parallel.pipeline_stages import rank_parameters, split_for_dualpipev
 from mt_parallel.schedule import MicroBatch, run_microbatches
-from mt_parallel.stats import reduce_router_stats
+from mt_parallel.stats import router_stats_reducer
 from mt_parallel.testing import rel_err
 
 
@@ -148,8 +147,7 @@ def compare_dualpipev(
         mesh = build_mesh(ParallelDims(world_size=world, pp=pp, dp=dp), torch.device(device).type)
         rank, dp_rank = mesh.rank("pp"), mesh.rank("dp")
         group, dp_group = mesh.group("pp"), mesh.group("dp")
-        reducer = partial(reduce_router_stats, everyone=mesh.group("dp_cp_ep"),
-                          batch=mesh.group("dp_ep"), context=mesh.group("cp"))  # fmt: skip
+        reducer = router_stats_reducer(mesh)
     mbs = _micro_batches(model_config.vocab_size, num_micro_batches, rows, seq_len, seed, packed)
     mbs = [_to(mb, device) for mb in mbs]
     num_tokens = sum(int((mb.labels != -100).sum()) for mb in mbs)

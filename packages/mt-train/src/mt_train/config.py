@@ -295,9 +295,9 @@ class ParallelConfig:
     """The parallel layout (ARCHITECTURE.md §5) and how collectives behave.
 
     Attributes:
-        pp: pipeline-parallel size; > 1 runs mt-parallel's DualPipeV executor, alone for now:
-            dp = cp = ep = 1 (world_size = pp), at least 2·pp micro-batches per step, no
-            validation and no FP8 yet.
+        pp: pipeline-parallel size; > 1 runs mt-parallel's DualPipeV executor, with data
+            parallelism (FSDP2 over dp) but not yet cp or ep > 1 (world_size = pp·dp), at
+            least 2·pp micro-batches per step, no validation and no FP8 yet.
         dp: data-parallel (FSDP) size; -1 takes world_size // (pp·cp·ep).
         cp: context-parallel size (zigzag sequence chunks).
         ep: expert-parallel size; must divide the number of experts.
@@ -323,12 +323,12 @@ class ParallelConfig:
         for name in ("pp", "cp", "ep"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name} ({getattr(self, name)}) must be >= 1")
-        if self.pp > 1 and (self.dp > 1 or self.cp > 1 or self.ep > 1):
+        if self.pp > 1 and (self.cp > 1 or self.ep > 1):
             raise ValueError(
-                f"parallel.pp ({self.pp}) > 1 runs alone for now: the pipeline executor does "
-                f"not compose with FSDP, CP or EP yet (got dp={self.dp}, cp={self.cp}, "
-                f"ep={self.ep}); use parallel.pp={self.pp} with dp, cp and ep at 1 (a world "
-                "size of pp), or parallel.pp=1"
+                f"parallel.pp ({self.pp}) > 1 composes with data parallelism (dp) only for "
+                f"now: the pipeline executor does not run CP or EP yet (got cp={self.cp}, "
+                f"ep={self.ep}); use parallel.pp={self.pp} with cp and ep at 1, or "
+                "parallel.pp=1"
             )
         if self.dp < 1 and self.dp != -1:
             raise ValueError(f"parallel.dp ({self.dp}) must be >= 1, or -1 to fill the world")

@@ -59,11 +59,13 @@ def init_distributed(device_type: str, timeout_s: float) -> Env:
     return Env(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 
-def all_reduce(value: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """All-reduces a tensor over the world in place (no-op in one process)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
+def all_reduce(
+    value: torch.Tensor, op: str = "sum", group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """All-reduces a tensor over `group` (None: the world) in place (no-op in one process)."""
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
         ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
-        dist.all_reduce(value, op=ops[op])
+        dist.all_reduce(value, op=ops[op], group=group)
     return value
 
 

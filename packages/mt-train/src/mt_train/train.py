@@ -5,13 +5,14 @@ One step: take the rank's slice of the next global batch, run the micro-batch sc
 the global gradient norm, check that loss and gradients are finite, step AdamW, log
 metrics, and save a checkpoint every `checkpoint.interval` steps and at the end.
 
-With ``parallel.pp`` > 1 (alone: world_size = pp) every rank builds and initializes the
-whole model as one process does, keeps its two DualPipeV stages (`PipelineRank`; the
-rest is freed once setup is done), and optimizes and checkpoints only their parameters,
-under the model's canonical names (a checkpoint is the same whatever the layout). Every
-rank reads the whole global batch and runs it through `DualPipeVExecutor`; the gradient
-norm is summed over the pipeline ranks, each of which holds every one of its parameters'
-gradients whole.
+With ``parallel.pp`` > 1 (world_size = pp·dp) every rank builds and initializes the whole
+model as one process does, keeps its two DualPipeV stages (`PipelineRank`; the rest is
+freed once setup is done), shards them with FSDP2 over the dp replicas when dp > 1, and
+optimizes and checkpoints only their parameters, under the model's canonical names (a
+checkpoint is the same whatever the layout). The ranks of a replica read its rows of every
+micro-batch and run them through `DualPipeVExecutor`; token counts and loss sums are added
+over the replicas, and the gradient norm over every rank, each gradient element living on
+one rank.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from torch.distributed.fsdp import FSDPModule
 from mt_data import DataExhausted, TokenDataset, default_corpus_dir
 from mt_models import build_model
 from mt_models.layers.rope import rope_type_of
-from mt_ops import FP8WeightCache
+from mt_ops import FP8WeightCache, make_weight_grads_deferrable
 from mt_parallel import (
     DualPipeVExecutor,
     MicroBatch,
@@ -48,7 +49,10 @@ from mt_parallel import (
     zigzag_ranges,
 )
 from mt_parallel.context_parallel import split_sample
+from mt_parallel.fsdp import apply_fsdp_to_stages
+from mt_parallel.mesh import build_mesh
 from mt_parallel.pipeline_stages import PipelineStage, rank_parameters, split_for_dualpipev
+from mt_parallel.stats import router_stats_reducer
 from mt_train.checkpoint import (
     AsyncCheckpointer,
     Checkpoint,
@@ -127,8 +131,9 @@ class PipelineRank:
         final norm and head off rank 0), once initialization, init_from and resume are done
         with the whole model: each replaced by an ``nn.Identity`` in place, so the rank's
         own modules keep their names (``model.layers.<i>``) for `to_canonical`."""
-        # By parameter, not module: the executor swapped the stages' linears for deferrable
-        # ones (same parameters), so a stage may hold another module object than the model.
+        # By parameter: the stages share the model's modules (their linears were swapped
+        # for deferrable ones in the model first), whose parameters FSDP2 may have replaced
+        # by its shards.
         kept = {id(param) for param in self.parameters()}
 
         def unused(module: torch.nn.Module) -> bool:
@@ -244,7 +249,6 @@ def setup(cfg: JobConfig) -> TrainState:
     env = init_distributed(device_type, cfg.parallel.timeout_s)
     par = cfg.parallel
     dims = ParallelDims(world_size=env.world_size, pp=par.pp, dp=par.dp, cp=par.cp, ep=par.ep)
-    check_pipeline_alone(dims)
     dims.validate_model(
         num_experts=getattr(cfg.model, "num_experts", 1),
         num_heads=cfg.model.num_attention_heads,
@@ -270,7 +274,9 @@ def setup(cfg: JobConfig) -> TrainState:
     fp8_cache = apply_fp8(model, env.device) if cfg.precision.fp8 else None
     mesh, pipeline = None, None
     if dims.pp > 1:
-        model, pipeline = _split_for_the_pipeline(model, dims, env, cfg.seed)
+        model, pipeline, mesh = _split_for_the_pipeline(
+            model, dims, env, cfg.seed, autocast_dtype, par.reshard_after_forward
+        )
     elif env.world_size > 1:
         mesh = parallelize(
             model,
@@ -320,26 +326,33 @@ def setup(cfg: JobConfig) -> TrainState:
     return state
 
 
-def check_pipeline_alone(dims: ParallelDims) -> None:
-    """Raises when parallel.pp > 1 shares the world with data parallelism: the config
-    refuses dp, cp, ep > 1 with pp > 1, but dp = -1 fills a world larger than pp."""
-    if dims.pp > 1 and dims.dp > 1:
-        raise ValueError(
-            f"parallel.pp={dims.pp} runs alone for now (no FSDP, CP or EP yet), but world_size "
-            f"{dims.world_size} gives dp={dims.dp}: launch exactly {dims.pp} processes, or use "
-            "parallel.pp=1"
-        )
-
-
 def _split_for_the_pipeline(
-    model: torch.nn.Module, dims: ParallelDims, env: Env, seed: int
-) -> tuple[PipelineRank, DualPipeVExecutor]:
+    model: torch.nn.Module, dims: ParallelDims, env: Env, seed: int,
+    param_dtype: torch.dtype | None, reshard_after_forward: bool,
+) -> tuple[PipelineRank, DualPipeVExecutor, ParallelMesh | None]:  # fmt: skip
     """Initializes the whole model as one process does (so every layout starts from the
-    same weights), then keeps this rank's DualPipeV stages and their executor."""
+    same weights), then keeps this rank's DualPipeV stages (sharded over the dp replicas
+    when dp > 1, computing in `param_dtype`) and their executor; the mesh when dp > 1."""
     model.to_empty(device=env.device)
     model.init_weights(seed)
-    stages = split_for_dualpipev(model, env.rank, dims.pp)
-    return PipelineRank(model, stages), DualPipeVExecutor(stages, env.rank, dims.pp)
+    # The stages' linears defer their weight gradients; swapped here, in the whole model,
+    # the stages share the swapped modules with it (a stage's own swap of its head would
+    # leave the model the old module, and FSDP2 shards the parameter of the module it sees).
+    make_weight_grads_deferrable(model)
+    if dims.dp == 1:
+        stages = split_for_dualpipev(model, env.rank, dims.pp)
+        return PipelineRank(model, stages), DualPipeVExecutor(stages, env.rank, dims.pp), None
+    mesh = build_mesh(dims, env.device.type)
+    rank = mesh.rank("pp")
+    stages = split_for_dualpipev(model, rank, dims.pp)
+    apply_fsdp_to_stages(
+        stages, mesh, param_dtype=param_dtype, reshard_after_forward=reshard_after_forward
+    )
+    executor = DualPipeVExecutor(
+        stages, rank, dims.pp, mesh.group("pp"), stats_reducer=router_stats_reducer(mesh),
+        activation_dtype=param_dtype,
+    )  # fmt: skip
+    return PipelineRank(model, stages), executor, mesh
 
 
 def _refuse_a_checkpoint_as_run_dir(run_dir: str) -> None:
@@ -853,10 +866,13 @@ def train_step(
     set_lr(state.optimizer, lr)
     local_tokens = torch.stack([(mb.labels != IGNORE_INDEX).sum() for mb in microbatches])
     pipeline = state.pipeline
-    if pipeline is not None:  # every pipeline rank holds the whole global batch
+    # Under the pipeline the ranks of a replica hold the same rows: counts and loss sums
+    # are added over the replicas (the dp group), not over the world.
+    replicas = state.mesh.group("dp") if pipeline is not None and state.mesh else None
+    if pipeline is not None and replicas is None:  # one replica: the whole global batch
         global_num_tokens = int(local_tokens.sum())
     else:
-        global_num_tokens = int(all_reduce(local_tokens.sum()))
+        global_num_tokens = int(all_reduce(local_tokens.sum(), group=replicas))
     with state.autocast():
         if pipeline is not None:
             result = pipeline.step(microbatches, global_num_tokens, ignore_index=IGNORE_INDEX)
@@ -865,14 +881,17 @@ def train_step(
                 state.model, microbatches, global_num_tokens, ignore_index=IGNORE_INDEX,
                 grad_reduce=cfg.parallel.grad_reduce,
             )  # fmt: skip
-    if pipeline is not None:  # each gradient lives whole on one pipeline rank
+    if pipeline is not None:  # each gradient element lives on one rank of the world
         group = dist.group.WORLD
     else:
         group = state.mesh.group("dp_cp_ep") if state.mesh else None
     max_norm = cfg.training.grad_clip if cfg.training.grad_clip > 0 else math.inf
     grad_norm = clip_grad_norm(state.model.parameters(), max_norm, group)
-    # The pipeline's result is the whole step's already, the same on every rank.
-    ce_sum = result.ce_sum if pipeline is not None else all_reduce(result.ce_sum.to(state.device))
+    # The pipeline's result is its replica's, the same on every rank of the replica.
+    if pipeline is not None and replicas is None:
+        ce_sum = result.ce_sum
+    else:
+        ce_sum = all_reduce(result.ce_sum.to(state.device), group=replicas)
     loss = float(ce_sum) / global_num_tokens
     # loss and grad_norm are global (all-reduced), so every rank takes the same branch.
     if math.isfinite(loss) and math.isfinite(grad_norm):
