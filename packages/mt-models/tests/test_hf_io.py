@@ -723,3 +723,62 @@ def test_qwen3_without_use_sliding_window_reads_no_window_as_transformers_does(w
     if window != "absent":
         data["sliding_window"] = window
     assert config_from_hf(data) == qwen3_30b_a3b()
+
+
+def _stored_dtypes(path):
+    with safe_open(path / "model.safetensors", "pt") as f:
+        return {k: f.get_slice(k).get_dtype() for k in f.keys()}  # noqa: SIM118
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("family", sorted(MODEL_FAMILIES))
+def test_cast_to_hub_dtype_gives_each_tensor_the_dtype_transformers_saves_it_in(
+    build_debug_model, tmp_path, family, dtype
+):
+    # transformers keeps some tensors in fp32 in a model of a lower dtype and saves them so
+    # (DeepSeek-V2's router in bfloat16 and float16, GPT-OSS's norms in float16).
+    import transformers
+
+    save_hf(build_debug_model(family=family), tmp_path / "fp32")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fp32", dtype=dtype)
+    reference.save_pretrained(tmp_path / "theirs")
+    tensors = load_file(tmp_path / "fp32" / "model.safetensors")
+    hf_io.cast_to_hub_dtype(family, tensors, dtype)
+    names = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+    theirs = _stored_dtypes(tmp_path / "theirs")
+    assert {k: names[t.dtype] for k, t in tensors.items()} == theirs
+    assert names[dtype] in theirs.values()
+
+
+def test_cast_to_hub_dtype_frees_each_tensor_before_casting_the_next_and_leaves_integers(
+    monkeypatch,
+):
+    # A 60 GB fp32 checkpoint cast as a whole (new tensors beside the old) would need 90 GB:
+    # each cast must replace its entry, the old tensor freed, before the next cast.
+    # The routers are stored in bfloat16 here, so each becomes a new (fp32) tensor too.
+    tensors = {
+        f"model.layers.{i}.mlp.gate.weight": torch.randn(8, 4, dtype=torch.bfloat16)
+        for i in range(3)
+    }
+    tensors["model.embed_tokens.weight"] = torch.randn(16, 4)
+    tensors["counts"] = torch.arange(4)
+    expected = {k: t.clone() for k, t in tensors.items()}
+    alive = [weakref.ref(t) for t in tensors.values()]  # the originals, then every cast
+    held_at_each_cast = []
+    real_to = torch.Tensor.to
+
+    def recording_to(self, *args, **kwargs):
+        held_at_each_cast.append(sum(ref() is not None for ref in alive))
+        out = real_to(self, *args, **kwargs)
+        alive.append(weakref.ref(out))
+        return out
+
+    with monkeypatch.context() as patched:
+        patched.setattr(torch.Tensor, "to", recording_to)
+        hf_io.cast_to_hub_dtype("deepseek_v2", tensors, torch.bfloat16)
+    assert held_at_each_cast == [len(expected)] * 4  # the integer tensor is not cast
+    counts = expected.pop("counts")
+    assert tensors["counts"].dtype == torch.int64 and torch.equal(tensors["counts"], counts)
+    for key, tensor in expected.items():
+        want = torch.float32 if key.endswith("gate.weight") else torch.bfloat16
+        assert tensors[key].dtype == want and torch.equal(tensors[key], tensor.to(want)), key

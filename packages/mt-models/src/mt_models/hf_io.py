@@ -103,6 +103,23 @@ _HEADER_DTYPES = {
     "F8_E5M2": torch.float8_e5m2,
 }
 
+# Hub keys transformers keeps in fp32 in a model of a lower dtype, and so saves in fp32: its
+# `_keep_in_fp32_modules_strict` (bfloat16 and float16) and `_keep_in_fp32_modules` (float16
+# alone) of models/<family>/modeling_<family>.py (transformers 5), patterns it searches for
+# in each key. DeepSeek-V2 lists "gate.weight", which of our keys only the router's hold;
+# GPT-OSS "input_layernorm", "post_attention_layernorm" and "norm", which only its RMSNorm
+# weights hold; Qwen3-MoE lists none.
+_KEEP_FP32: dict[str, dict[torch.dtype, re.Pattern]] = {
+    "deepseek_v2": dict.fromkeys(
+        (torch.bfloat16, torch.float16), re.compile(r"^model\.layers\.\d+\.mlp\.gate\.weight$")
+    ),
+    "gpt_oss": {
+        torch.float16: re.compile(
+            r"^model\.(?:norm|layers\.\d+\.(?:input|post_attention)_layernorm)\.weight$"
+        )
+    },
+}
+
 
 def _read_json_object(file: Path) -> dict[str, Any]:
     """The JSON object in ``file``; ValueError naming the file when it is not one (json's
@@ -667,6 +684,31 @@ def save_hf_tensors(
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
         (path / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def cast_to_hub_dtype(family: str, tensors: dict[str, Tensor], dtype: torch.dtype) -> None:
+    """Casts ``tensors`` in place to the dtypes transformers saves a model of ``dtype`` in.
+
+    Every floating-point tensor becomes ``dtype``, except what transformers keeps in fp32 in
+    a model of that dtype (and so saves in fp32): in bfloat16 or float16 DeepSeek-V2's router
+    ``mlp.gate.weight``, in float16 also GPT-OSS's RMSNorm weights (``input_layernorm``,
+    ``post_attention_layernorm``, ``model.norm``); those become fp32. Integer and bool
+    tensors stay as they are. One tensor at a time, each replacing its entry, so peak memory
+    grows by at most one tensor (the old one is freed when nothing else holds it).
+
+    Args:
+        family: The family name.
+        tensors: Canonical (or Hub) key → tensor; entries are replaced.
+        dtype: The model's dtype (``config.json``'s).
+    """
+    keep_fp32 = _KEEP_FP32.get(family, {}).get(dtype)
+    for key, tensor in tensors.items():
+        if not tensor.is_floating_point():
+            continue
+        kept = keep_fp32 is not None and keep_fp32.match(key)
+        # Replaces the entry: the old tensor is freed (when the dict held its last
+        # reference) as the loop moves on, before the next cast.
+        tensors[key] = tensor.to(torch.float32 if kept else dtype)
 
 
 def _remove_earlier_weights(path: Path) -> None:
