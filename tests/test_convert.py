@@ -110,6 +110,98 @@ def test_hf_to_mt_to_hf_keeps_a_bfloat16_deepseek_fp32_router(tmp_path):
     assert json.loads((tmp_path / "back" / "config.json").read_text())["dtype"] == "bfloat16"
 
 
+# What transformers keeps in fp32 in a model of a lower dtype, and so saves in fp32, by family
+# and dtype: `_keep_in_fp32_modules_strict` (bfloat16 and float16: DeepSeek-V2's router) and
+# `_keep_in_fp32_modules` (float16 alone: GPT-OSS's RMSNorm weights).
+_KEPT_FP32 = {
+    ("deepseek_v2", torch.bfloat16): r"^model\.layers\.\d+\.mlp\.gate\.weight$",
+    ("deepseek_v2", torch.float16): r"^model\.layers\.\d+\.mlp\.gate\.weight$",
+    ("gpt_oss", torch.float16): r"^model\.(norm|layers\.\d+\.(input|post_attention)_layernorm)\.",
+}
+
+
+def _export_fp32_with_dtype(tmp_path, family, dtype):
+    """A training-like fp32 checkpoint of `family` exported with ``--dtype``; returns the fp32
+    Hub tensors it holds and the export's directory."""
+    original = tmp_path / "hf"
+    _write_hf(FAMILIES[family], original, torch.float32)
+    assert main(["convert", "hf-to-mt", "--hf", str(original), "--out", str(tmp_path / "mt")]) == 0
+    name = str(dtype).removeprefix("torch.")
+    assert main(["convert", "mt-to-hf", "--checkpoint", str(tmp_path / "mt"), "--out",
+                 str(tmp_path / "back"), "--max-shard-size", "40KB", "--dtype", name]) == 0
+    return _hf_tensors(original), tmp_path / "back"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_mt_to_hf_dtype_writes_every_tensor_in_it_but_what_transformers_keeps_fp32(
+    tmp_path, family, dtype
+):
+    # A training checkpoint holds fp32 master weights, and mt-to-hf wrote them as stored:
+    # twice the Hub's size, config.json "float32", and no way to ask for bfloat16.
+    fp32, back = _export_fp32_with_dtype(tmp_path, family, dtype)
+    after = _hf_tensors(back)
+    assert sorted(after) == sorted(fp32)
+    kept = {k for k in fp32 if re.match(_KEPT_FP32.get((family, dtype), r"^$"), k)}
+    assert bool(kept) == ((family, dtype) in _KEPT_FP32)
+    for key, tensor in fp32.items():
+        assert tensor.dtype == torch.float32, key
+        if key in kept:
+            assert after[key].dtype == torch.float32 and torch.equal(after[key], tensor), key
+        else:
+            assert after[key].dtype == dtype and torch.equal(after[key], tensor.to(dtype)), key
+    embed = fp32["model.embed_tokens.weight"]
+    assert not torch.equal(embed.to(dtype).float(), embed), "fp32 values the dtype rounds"
+    config = json.loads((back / "config.json").read_text())
+    original = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert original["dtype"] == "float32"
+    assert config == original | {"dtype": str(dtype).removeprefix("torch.")}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_bfloat16_export_of_an_fp32_checkpoint_converts_back_and_loads(tmp_path, family):
+    fp32, back = _export_fp32_with_dtype(tmp_path, family, torch.bfloat16)
+    exported = _hf_tensors(back)
+    assert main(["convert", "hf-to-mt", "--hf", str(back), "--out", str(tmp_path / "mt2")]) == 0
+    _, again = convert.read_mt_checkpoint(tmp_path / "mt2")
+    _, first = convert.read_mt_checkpoint(tmp_path / "mt")
+    assert sorted(again) == sorted(first) == sorted(hf_io.hub_to_canonical(family, fp32))
+    for key, tensor in hf_io.hub_to_canonical(family, exported).items():
+        assert again[key].dtype == tensor.dtype and torch.equal(again[key], tensor), key
+    params = hf_io.load_hf(back).canonical_parameters()
+    assert sorted(params) == sorted(again)
+    for key, tensor in again.items():
+        assert params[key].dtype == tensor.dtype and torch.equal(params[key].detach(), tensor), key
+
+
+def test_mt_to_hf_refuses_a_dtype_it_cannot_write_naming_the_choices(
+    tmp_path, mt_checkpoint, capsys
+):
+    out = tmp_path / "back"
+    argv = ["convert", "mt-to-hf", "--checkpoint", str(mt_checkpoint), "--out", str(out),
+            "--dtype", "int8"]  # fmt: skip
+    with pytest.raises(SystemExit) as raised:
+        main(argv)
+    assert raised.value.code == 2
+    err = capsys.readouterr().err
+    assert "--dtype: invalid choice: 'int8'" in err
+    assert "'bfloat16', 'float16', 'float32'" in err
+    for dtype in (torch.int8, "bfloat16", torch.float64):
+        with pytest.raises(ValueError, match=rf"dtype \({re.escape(repr(dtype))}\) must be "
+                           r"torch.bfloat16, torch.float16 or torch.float32"):  # fmt: skip
+            mt_to_hf(mt_checkpoint, out, dtype=dtype)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_mt_to_hf_help_names_the_dtypes_the_default_and_what_stays_fp32(capsys):
+    with pytest.raises(SystemExit):
+        main(["convert", "mt-to-hf", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--dtype {bfloat16,float16,float32}" in out
+    assert "Default: each tensor's stored dtype, float32 for a training checkpoint's" in out
+    assert "DeepSeek-V2's router mlp.gate.weight" in out and "GPT-OSS's RMSNorm weights" in out
+
+
 def test_generate_runs_a_bfloat16_deepseek_with_its_fp32_routers_as_stored(tmp_path):
     # hf-to-mt keeps the fp32 gate.weight transformers saves in a bfloat16 DeepSeek-V2, but
     # generate cast the whole model to the embedding's dtype: the routers were rounded to

@@ -2,7 +2,8 @@
 
     mt-train pretrain [RECIPE] [--config FILE.toml] [KEY=VALUE ...] [--print-config]
     mt-train convert hf-to-mt --hf DIR --out DIR [--no-progress]
-    mt-train convert mt-to-hf --checkpoint DIR --out DIR [--max-shard-size 5GB] [--no-progress]
+    mt-train convert mt-to-hf --checkpoint DIR --out DIR [--max-shard-size 5GB]
+                              [--dtype bfloat16|float16|float32] [--no-progress]
     mt-train generate --checkpoint DIR --prompt TEXT [--max-new-tokens N] [--temperature T]
                       [--top-p P] [--seed N] [--device cpu|cuda|cuda:N]
 
@@ -132,6 +133,15 @@ def build_parser() -> argparse.ArgumentParser:
         "(10^9 bytes), 500MB, 2GiB (default 5GB)",
     )
     mt_to_hf.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float16", "float32"),
+        help="write every floating-point tensor in this dtype and name it in config.json, "
+        "except what transformers keeps in float32 in such a model: DeepSeek-V2's router "
+        "mlp.gate.weight (bfloat16, float16) and GPT-OSS's RMSNorm weights (float16). "
+        "Default: each tensor's stored dtype, float32 for a training checkpoint's master "
+        "weights and the source's for an hf-to-mt output; config.json names the embedding's",
+    )
+    mt_to_hf.add_argument(
         "--no-progress", action="store_true", help="draw no progress bars (on stderr)"
     )
     gen = sub.add_parser(
@@ -215,8 +225,13 @@ def _convert(args: argparse.Namespace) -> int:
         if args.direction == "hf-to-mt":
             out = hf_to_mt(args.hf, args.out, progress=not args.no_progress)
         else:
+            import torch
+
             size = parse_size(args.max_shard_size)
-            out = mt_to_hf(args.checkpoint, args.out, size, progress=not args.no_progress)
+            dtype = None if args.dtype is None else getattr(torch, args.dtype)
+            out = mt_to_hf(
+                args.checkpoint, args.out, size, progress=not args.no_progress, dtype=dtype
+            )
     except ValueError as err:
         print(f"mt-train: error: {err}", file=sys.stderr)
         return 2

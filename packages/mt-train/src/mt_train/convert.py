@@ -1,14 +1,16 @@
 """Conversion between Hugging Face directories and mt checkpoints, and `init_from`.
 
     mt-train convert hf-to-mt --hf DIR --out DIR [--no-progress]
-    mt-train convert mt-to-hf --checkpoint DIR --out DIR [--max-shard-size 5GB] [--no-progress]
+    mt-train convert mt-to-hf --checkpoint DIR --out DIR [--max-shard-size 5GB]
+                              [--dtype bfloat16|float16|float32] [--no-progress]
 
 An mt checkpoint written by ``hf-to-mt`` is a DCP directory like a training checkpoint
 but model-only: ``model/<hub key>`` tensors in the source's dtype and a
 ``train_state.json`` whose ``config`` holds only ``model_family`` and ``model``. The loop
 starts from it (or from the Hugging Face directory itself) with ``init_from=DIR``; it is
 not a checkpoint to resume (no optimizer or data state). ``mt-to-hf`` accepts either kind
-and writes the tensors in their stored dtype (FP32 for a training checkpoint).
+and writes the tensors in their stored dtype (FP32 for a training checkpoint) or, with
+``--dtype``, in that dtype, but for what transformers keeps in fp32 (`cast_to_hub_dtype`).
 Conversion goes through `mt_models.load_hf` / `save_hf`'s writer, so keys and GPT-OSS's
 stacked expert layout are theirs; MXFP4 originals come back dequantized. Both directions
 write beside ``--out`` and rename when complete, so a failure leaves no partial ``--out``;
@@ -50,7 +52,7 @@ from mt_models import (
     save_hf_tensors,
 )
 from mt_models.configs import TRAINING_ONLY_FIELDS
-from mt_models.hf_io import Progress, read_hf_config
+from mt_models.hf_io import Progress, cast_to_hub_dtype, read_hf_config
 from mt_train.checkpoint import (
     FORMAT_VERSION,
     _rename_durably,
@@ -75,6 +77,8 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
 )
 _STATE_FILE = "train_state.json"
+# Dtypes `mt_to_hf` writes on request (the Hub's checkpoints come in these).
+EXPORT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _OTHER_CHECKPOINT = "give another checkpoint (an earlier step_N of the run, or convert again)"
 # ASCII digits only (\d also takes other scripts' digits); ".5" and "5." are numbers too.
 _SIZE = re.compile(r"^\s*(\d+\.?\d*|\.\d+)\s*((?:[KMGT]i?)?B)?\s*$", re.IGNORECASE | re.ASCII)
@@ -476,6 +480,7 @@ def mt_to_hf(
     out_dir: str | Path,
     max_shard_size: int = 5 * 10**9,
     progress: bool = False,
+    dtype: torch.dtype | None = None,
 ) -> Path:
     """Writes a Hugging Face directory from an mt checkpoint.
 
@@ -485,7 +490,8 @@ def mt_to_hf(
     config's keys and shapes on the meta device (no model is allocated) and written
     directly, each in its stored dtype (as ``hf-to-mt`` read it: a bfloat16 DeepSeek-V2
     saved by transformers keeps its fp32 ``gate.weight``); config.json names the
-    embedding's.
+    embedding's. With ``dtype`` they are cast first, one tensor at a time (peak memory
+    grows by one tensor, and falls as fp32 tensors become 16-bit ones).
 
     Args:
         checkpoint: a training checkpoint (``step_N``) or a model-only one.
@@ -496,10 +502,21 @@ def mt_to_hf(
             `training_tokenizer`).
         max_shard_size: largest safetensors shard in bytes.
         progress: draw a bar on stderr while reading and writing (per shard).
+        dtype: None writes each tensor in its stored dtype (fp32 for a training
+            checkpoint's master weights); one of `EXPORT_DTYPES` writes every floating-point
+            tensor in it and names it in config.json, except what transformers keeps in
+            fp32 in a model of that dtype: in bfloat16 or float16 DeepSeek-V2's router
+            ``mlp.gate.weight``, in float16 also GPT-OSS's RMSNorm weights (they are written
+            in fp32, as ``save_pretrained`` does).
 
     Returns:
         The output directory.
     """
+    if dtype is not None and dtype not in EXPORT_DTYPES:
+        raise ValueError(
+            f"dtype ({dtype!r}) must be torch.bfloat16, torch.float16 or torch.float32, or "
+            "None to write each tensor in its stored dtype"
+        )
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     with _holding_out(out_dir) as out_dir:
         tokenizer = training_tokenizer(checkpoint)  # before the slow reading
@@ -509,7 +526,10 @@ def mt_to_hf(
         with torch.device("meta"):
             targets = MODEL_FAMILIES[family][1](model_config).canonical_parameters()
         _check_checkpoint_keys(checkpoint, canonical, targets)
-        dtype = canonical["model.embed_tokens.weight"].dtype  # config.json's
+        if dtype is None:
+            dtype = canonical["model.embed_tokens.weight"].dtype  # config.json's
+        else:
+            cast_to_hub_dtype(family, canonical, dtype)
         tmp = out_dir.with_name(f".tmp-{out_dir.name}")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.parent.mkdir(parents=True, exist_ok=True)
