@@ -29,11 +29,12 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from mt_models import base
 from mt_parallel.testing import rel_err, spawn
 from mt_train.checkpoint import checkpoint_root, latest_checkpoint
 from mt_train.overrides import resolve_config
 from mt_train.recipes import get_recipe
-from mt_train.train import pretrain
+from mt_train.train import TrainState, pretrain
 
 RUN = [
     "model.num_hidden_layers=4", "data.seq_len=32", "training.global_batch_size=4",
@@ -49,14 +50,33 @@ def _cfg(run_dir: Path, *overrides: str):
     return resolve_config(get_recipe("tiny"), overrides=[*RUN, f"run_dir={run_dir}", *overrides])
 
 
+def _initializing_own_stages_only(run_dir: Path, *overrides: str) -> TrainState:
+    """pretrain, asserting that this rank materialized and initialized its stages'
+    parameters and no other (the rest of the model stays on the meta device)."""
+    initialized = []
+    original = base.copy_whole_into
+
+    def recording(target, whole):
+        initialized.append(target)
+        original(target, whole)
+
+    base.copy_whole_into = recording
+    try:
+        state = pretrain(_cfg(run_dir, *overrides))
+    finally:
+        base.copy_whole_into = original
+    mine = {id(p) for p in state.model.parameters()}
+    assert {id(p) for p in initialized} == mine and len(initialized) == len(mine)
+    # The rank keeps only its stages' weights.
+    assert {id(p) for p in state.model.whole.parameters()} == mine
+    return state
+
+
 def _on_two_ranks(root: str) -> None:
     root = Path(root)
-    state = pretrain(_cfg(root / "pp2", *PP2, "checkpoint.async_save=true"))
+    state = _initializing_own_stages_only(root / "pp2", *PP2, "checkpoint.async_save=true")
     assert len(state.losses) == 4
     assert state.pipeline is not None and state.pipeline.pp == 2
-    # The rank keeps only its stages' weights (it initialized the whole model).
-    kept = {id(p) for p in state.model.whole.parameters()}
-    assert kept == {id(p) for p in state.model.parameters()}
     state = pretrain(_cfg(root / "pp1_then_pp2", *PP2))
     assert len(state.losses) == 2, "the resumed run must start at step 3"
     pretrain(_cfg(root / "pp2_then_pp1", *PP2, "training.max_steps=2"))
@@ -122,7 +142,7 @@ PP2_DP2 = [*PP2, "parallel.dp=2", *DP2]
 
 def _on_four_ranks(root: str) -> None:
     root = Path(root)
-    state = pretrain(_cfg(root / "pp2_dp2", *PP2_DP2))
+    state = _initializing_own_stages_only(root / "pp2_dp2", *PP2_DP2)
     assert len(state.losses) == 4
     assert state.pipeline is not None and (state.dims.pp, state.dims.dp) == (2, 2)
     state = pretrain(_cfg(root / "pp1_then_pp2_dp2", *PP2_DP2))

@@ -782,3 +782,27 @@ def test_cast_to_hub_dtype_frees_each_tensor_before_casting_the_next_and_leaves_
     for key, tensor in expected.items():
         want = torch.float32 if key.endswith("gate.weight") else torch.bfloat16
         assert tensors[key].dtype == want and torch.equal(tensors[key], tensor.to(want)), key
+
+
+def test_load_hf_into_fills_the_materialized_layers_and_skips_those_left_on_meta(
+    build_debug_model, tmp_path, monkeypatch
+):
+    # A pipeline rank materializes its own stages only: the rest stays on the meta device,
+    # and the Hub tensors that only fill it are not read.
+    source = build_debug_model(family="deepseek_v2")
+    save_hf(source, tmp_path)
+    with torch.device("meta"):
+        model = type(source)(source.config)
+    model.model.layers[1].to_empty(device="cpu")
+    read = []
+    original = hf_io._read_hub_tensor
+    monkeypatch.setattr(hf_io, "_read_hub_tensor",
+                        lambda tensor, *a: read.append(tensor.key) or original(tensor, *a))
+    hf_io.load_hf_into(model, tmp_path)
+    assert read and all(key.startswith("model.layers.1.") for key in read), read
+    want = dict(source.named_parameters())
+    loaded = [name for name, p in model.named_parameters() if not p.is_meta]
+    assert loaded and all(name.startswith("model.layers.1.") for name in loaded)
+    for name in loaded:
+        assert torch.equal(model.get_parameter(name), want[name]), name
+    assert model.model.embed_tokens.weight.is_meta and model.model.layers[0].self_attn is not None

@@ -59,3 +59,19 @@ def test_init_rules_ones_for_norms_scaled_std_for_output_projections(build_debug
         .item()
     )
     assert abs(o_std - 0.02 / math.sqrt(8)) < 0.001
+
+
+def test_init_skipping_meta_gives_the_materialized_layers_the_whole_models_values():
+    # A pipeline rank builds on meta and materializes its own stages only.
+    config = debug()
+    with torch.device("meta"):
+        whole, part = Qwen3MoeForCausalLM(config), Qwen3MoeForCausalLM(config)
+    whole.to_empty(device="cpu")
+    whole.init_weights(seed=3)
+    part.model.layers[1].to_empty(device="cpu")
+    part.init_weights(seed=3, skip_meta=True)
+    values = dict(whole.named_parameters())
+    kept = [name for name, p in part.named_parameters() if not p.is_meta]
+    assert kept and all(name.startswith("model.layers.1.") for name in kept)
+    for name in kept:
+        assert torch.equal(part.get_parameter(name), values[name]), name

@@ -415,7 +415,7 @@ class CausalLM(nn.Module):
         return "normal", std
 
     @torch.no_grad()
-    def init_weights(self, seed: int) -> None:
+    def init_weights(self, seed: int, *, skip_meta: bool = False) -> None:
         """Initializes every parameter as a function of (seed, canonical name) only; the
         canonical name of an expert's tensor holds its global expert id.
 
@@ -442,8 +442,12 @@ class CausalLM(nn.Module):
 
         Args:
             seed: The run's seed.
+            skip_meta: leave parameters still on the meta device as they are (a pipeline
+                rank materializes its own stages only); False initializes every one.
         """
         for fqn, param in self.named_parameters():
+            if skip_meta and param.device.type == "meta":
+                continue
             # The whole parameter in fp32 on the CPU, one at a time, so a sharded
             # parameter gets the same values as an unsharded one.
             full = torch.empty(param.shape, dtype=torch.float32)

@@ -525,8 +525,9 @@ def keep_fp32_routers(model: CausalLM, fp32_keys: set[str]) -> None:
 def load_hf_into(model: CausalLM, path: str | Path) -> Any:
     """Copies a Hub checkpoint's weights into an existing model of the same architecture.
 
-    The model may hold part of its parameters: some experts (expert parallelism) or
-    FSDP2 shards, whose local pieces are filled; no process needs the whole model. Keys
+    The model may hold part of its parameters: some experts (expert parallelism),
+    FSDP2 shards, whose local pieces are filled, or some layers (parameters left on the
+    meta device are skipped); no process needs the whole model. Keys
     and shapes are checked first, against a meta-device model of ``model.config``, from
     the safetensors headers; then Hub tensors are read one at a time (those that give
     nothing this process holds are not read) and cast to the parameters' dtypes.
@@ -569,7 +570,10 @@ def load_hf_into(model: CausalLM, path: str | Path) -> Any:
                     f"{key}: {path} has shape {shapes[key]} but the model has {shape}; the "
                     "model's config must describe the checkpoint's architecture"
                 )
-        targets = {k: v.detach() for k, v in model.canonical_parameters().items()}
+        # Parameters left on the meta device hold nothing to fill (a pipeline rank's model
+        # materializes its own stages only).
+        targets = {k: v.detach() for k, v in model.canonical_parameters().items()
+                   if v.device.type != "meta"}  # fmt: skip
         dtypes = {t.dtype for t in targets.values()}
         hub.copy_into(targets, dtypes.pop() if len(dtypes) == 1 else torch.float32)
     return hub.config

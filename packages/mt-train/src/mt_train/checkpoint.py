@@ -646,8 +646,9 @@ def load_model_weights(
     """Loads the model tensors of an mt checkpoint into `model` (`init_from`, generate), in
     place.
 
-    Each rank reads only what it holds (its experts, its FSDP2 shards); values are cast
-    to the parameters' dtypes.
+    Each rank reads only what it holds (its experts, its FSDP2 shards; parameters left on
+    the meta device, a pipeline rank's other stages, are skipped); values are cast to the
+    parameters' dtypes.
 
     Args:
         path: a checkpoint directory (a run's ``step_N`` or a model-only one).
@@ -655,7 +656,8 @@ def load_model_weights(
         fix: ends the error of tensors that do not fit the model.
         damaged_fix: ends the error of a checkpoint that cannot be read.
     """
-    tensors = {k: v for k, v in _Tensors(model, None).tensors.items() if k.startswith("model/")}
+    tensors = {k: v for k, v in _Tensors(model, None).tensors.items()
+               if k.startswith("model/") and v.device.type != "meta"}  # fmt: skip
     _check_and_load(Path(path), tensors, fix, damaged_fix)
 
 

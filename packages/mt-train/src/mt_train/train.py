@@ -5,10 +5,11 @@ One step: take the rank's slice of the next global batch, run the micro-batch sc
 the global gradient norm, check that loss and gradients are finite, step AdamW, log
 metrics, and save a checkpoint every `checkpoint.interval` steps and at the end.
 
-With ``parallel.pp`` > 1 (world_size = pp·dp) every rank builds and initializes the whole
-model as one process does, keeps its two DualPipeV stages (`PipelineRank`; the rest is
-freed once setup is done), shards them with FSDP2 over the dp replicas when dp > 1, and
-optimizes and checkpoints only their parameters, under the model's canonical names (a
+With ``parallel.pp`` > 1 (world_size = pp·dp) every rank builds the model on the meta
+device, keeps its two DualPipeV stages (`PipelineRank`), shards them with FSDP2 over the
+dp replicas when dp > 1, materializes and initializes them alone (with the values one
+process gives them; the other stages never leave the meta device and are dropped once
+setup is done), and optimizes and checkpoints only their parameters, under the model's canonical names (a
 checkpoint is the same whatever the layout). The ranks of a replica read its rows of every
 micro-batch and run them through `DualPipeVExecutor`; token counts and loss sums are added
 over the replicas, and the gradient norm over every rank, each gradient element living on
@@ -106,8 +107,9 @@ class PipelineRank:
     rank (a tied embedding on rank 0), under the model's own names.
 
     Args:
-        whole: the whole model, initialized (every rank builds it; the stages share its
-            modules, and `release_other_stages` frees the rest once setup is done).
+        whole: the whole model, this rank's stages materialized and the rest on the meta
+            device (the stages share its modules; `release_other_stages` drops the rest
+            once setup is done).
         stages: ``split_for_dualpipev(whole, rank, pp)``.
     """
 
@@ -127,10 +129,10 @@ class PipelineRank:
         return self.whole.to_canonical(tensors)
 
     def release_other_stages(self) -> None:
-        """Frees the modules this rank does not run (other ranks' layers; the embedding,
-        final norm and head off rank 0), once initialization, init_from and resume are done
-        with the whole model: each replaced by an ``nn.Identity`` in place, so the rank's
-        own modules keep their names (``model.layers.<i>``) for `to_canonical`."""
+        """Drops the (meta-device) modules this rank does not run (other ranks' layers; the
+        embedding, final norm and head off rank 0) once initialization, init_from and
+        resume are done: each replaced by an ``nn.Identity`` in place, so the rank's own
+        modules keep their names (``model.layers.<i>``) for `to_canonical`."""
         # By parameter: the stages share the model's modules (their linears were swapped
         # for deferrable ones in the model first), whose parameters FSDP2 may have replaced
         # by its shards.
@@ -330,27 +332,29 @@ def _split_for_the_pipeline(
     model: torch.nn.Module, dims: ParallelDims, env: Env, seed: int,
     param_dtype: torch.dtype | None, reshard_after_forward: bool,
 ) -> tuple[PipelineRank, DualPipeVExecutor, ParallelMesh | None]:  # fmt: skip
-    """Initializes the whole model as one process does (so every layout starts from the
-    same weights), then keeps this rank's DualPipeV stages (sharded over the dp replicas
-    when dp > 1, computing in `param_dtype`) and their executor; the mesh when dp > 1."""
-    model.to_empty(device=env.device)
-    model.init_weights(seed)
+    """Keeps this rank's DualPipeV stages of the meta-device `model` (sharded over the dp
+    replicas when dp > 1, computing in `param_dtype`), materializes and initializes them
+    alone, as one process would (initialization is a function of the seed and each
+    parameter's name), and builds their executor; returns the mesh when dp > 1. The other
+    stages' layers stay on the meta device: no rank ever holds the whole model."""
     # The stages' linears defer their weight gradients; swapped here, in the whole model,
     # the stages share the swapped modules with it (a stage's own swap of its head would
     # leave the model the old module, and FSDP2 shards the parameter of the module it sees).
     make_weight_grads_deferrable(model)
-    if dims.dp == 1:
-        stages = split_for_dualpipev(model, env.rank, dims.pp)
-        return PipelineRank(model, stages), DualPipeVExecutor(stages, env.rank, dims.pp), None
-    mesh = build_mesh(dims, env.device.type)
-    rank = mesh.rank("pp")
+    mesh = build_mesh(dims, env.device.type) if dims.dp > 1 else None
+    rank = mesh.rank("pp") if mesh else env.rank
     stages = split_for_dualpipev(model, rank, dims.pp)
-    apply_fsdp_to_stages(
-        stages, mesh, param_dtype=param_dtype, reshard_after_forward=reshard_after_forward
-    )
+    if mesh:  # sharded on the meta device, then each rank materializes its shards
+        apply_fsdp_to_stages(
+            stages, mesh, param_dtype=param_dtype, reshard_after_forward=reshard_after_forward
+        )
+    for stage in stages:
+        stage.to_empty(device=env.device)
+    model.init_weights(seed, skip_meta=True)
     executor = DualPipeVExecutor(
-        stages, rank, dims.pp, mesh.group("pp"), stats_reducer=router_stats_reducer(mesh),
-        activation_dtype=param_dtype,
+        stages, rank, dims.pp, mesh.group("pp") if mesh else None,
+        stats_reducer=router_stats_reducer(mesh) if mesh else None,
+        activation_dtype=param_dtype if mesh else None,
     )  # fmt: skip
     return PipelineRank(model, stages), executor, mesh
 
@@ -496,7 +500,8 @@ def _resume_or_start(state: TrainState, run_dir: Path) -> None:
     if checkpoint is not None:
         _resume(state, checkpoint)
     elif cfg.init_from:
-        # Under the pipeline every rank loads the whole model (its stages share its modules).
+        # Under the pipeline into the whole model, whose meta-device parameters (the other
+        # ranks' stages) the loaders skip; the rank's stages share its modules.
         whole = model.whole if isinstance(model, PipelineRank) else model
         source_config = init_from_weights(whole, cfg.init_from)
         log.info("initialized the model from %s (fresh optimizer)", cfg.init_from)
