@@ -9,11 +9,11 @@ With ``parallel.pp`` > 1 (world_size = pp·dp) every rank builds the model on th
 device, keeps its two DualPipeV stages (`PipelineRank`), shards them with FSDP2 over the
 dp replicas when dp > 1, materializes and initializes them alone (with the values one
 process gives them; the other stages never leave the meta device and are dropped once
-setup is done), and optimizes and checkpoints only their parameters, under the model's canonical names (a
-checkpoint is the same whatever the layout). The ranks of a replica read its rows of every
-micro-batch and run them through `DualPipeVExecutor`; token counts and loss sums are added
-over the replicas, and the gradient norm over every rank, each gradient element living on
-one rank.
+setup is done), and optimizes and checkpoints only their parameters, under the model's
+canonical names (a checkpoint is the same whatever the layout). The ranks of a replica
+read its rows of every micro-batch and run them through `DualPipeVExecutor`; token counts
+and loss sums are added over the replicas, and the gradient norm over every rank, each
+gradient element living on one rank.
 """
 
 from __future__ import annotations
