@@ -631,3 +631,66 @@ def test_every_model_field_a_model_config_error_names_is_spelled_as_the_key_is_w
     with pytest.raises(ValueError) as info:
         resolve_config(get_recipe(recipe), overrides=overrides)
     assert message in str(info.value)
+
+
+_PATH_KEYS_AND_FIXES = [
+    ("run_dir", "set run_dir=runs/NAME (or run_dir=. for the current directory)"),
+    ("data.path", "or data.path='' for the embedded default corpus"),
+    ("init_from", "or init_from='' to start from fresh weights"),
+    ("validation.path", "or validation.path='' to turn validation off"),
+]
+
+
+@pytest.mark.parametrize(("key", "fix"), _PATH_KEYS_AND_FIXES)
+@pytest.mark.parametrize("blank", [" ", "   ", "\t", " \n"])
+def test_a_blank_path_is_refused_naming_the_key_value_and_fix(key, fix, blank, tmp_path):
+    # run_dir='  ' made a directory named '  ' and wrote the run there; the other keys
+    # failed later (data.path at the loader, init_from after setup) or, for
+    # validation.path, blamed validation.interval.
+    interval = ["validation.interval=5"] if key == "validation.path" else []  # path in use
+    with pytest.raises(ValueError) as info:
+        resolve_config(get_recipe("tiny"), overrides=[f"{key}={blank}", *interval])
+    message = str(info.value)
+    assert message.startswith(f"{key} ({blank!r}) is blank; "), message
+    assert fix in message and "\n" not in message
+    section, _, name = key.rpartition(".")
+    toml = tmp_path / "blank.toml"
+    toml.write_text((f"[{section}]\n" if section else "") + f"{name} = {json.dumps(blank)}\n")
+    with pytest.raises(ValueError, match=re.escape(f"{key} ({blank!r}) is blank; ")):
+        resolve_config(get_recipe("tiny"), toml_path=toml, overrides=interval)
+
+
+@pytest.mark.parametrize(("key", "fix"), _PATH_KEYS_AND_FIXES)
+def test_a_path_with_a_nul_character_is_refused_naming_the_key(key, fix, tmp_path):
+    # No file system takes a NUL in a path: run_dir failed as a bare 'embedded null byte'.
+    section, _, name = key.rpartition(".")
+    toml = tmp_path / "nul.toml"
+    toml.write_text((f"[{section}]\n" if section else "") + f'{name} = "runs/a\\u0000b"\n')
+    interval = ["validation.interval=5"] if key == "validation.path" else []
+    with pytest.raises(ValueError) as info:
+        resolve_config(get_recipe("tiny"), toml_path=toml, overrides=interval)
+    message = str(info.value)
+    assert message.startswith(f"{key} ('runs/a\\x00b') contains a NUL character"), message
+    assert fix in message
+
+
+def test_empty_paths_keep_their_meanings():
+    # data.path '' is the embedded corpus, init_from '' fresh weights, validation.path ''
+    # no validation; only run_dir '' is refused (test above), and '.' names the cwd.
+    cfg = resolve_config(
+        get_recipe("tiny"), overrides=["data.path=", "init_from=", "validation.path=",
+                                       "run_dir=."]
+    )  # fmt: skip
+    assert (cfg.data.path, cfg.init_from, cfg.validation.path, cfg.run_dir) == ("", "", "", ".")
+    assert not cfg.validation.enabled
+
+
+def test_a_blank_run_dir_on_the_command_line_is_a_one_line_error_and_writes_nothing(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    assert main(["pretrain", "tiny", "run_dir=  ", "training.max_steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert "run_dir ('  ') is blank; set run_dir=runs/NAME" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+    assert list(tmp_path.iterdir()) == []

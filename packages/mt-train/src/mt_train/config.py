@@ -49,6 +49,10 @@ class DataConfig:
     document_masking: bool = False
 
     def __post_init__(self) -> None:
+        _check_path(
+            "data.path", self.path, "give a corpus directory built by mt-data build "
+            "(data.path=DIR) or data.path='' for the embedded default corpus"
+        )  # fmt: skip
         self.path = os.path.expanduser(self.path)  # as JobConfig.run_dir: no shell expands it
         if self.seq_len < 2:
             raise ValueError(f"data.seq_len ({self.seq_len}) must be at least 2")
@@ -221,6 +225,10 @@ class ValidationConfig:
     steps: int = 1
 
     def __post_init__(self) -> None:
+        _check_path(
+            "validation.path", self.path, "give a held-out corpus directory "
+            "(validation.path=DIR) or validation.path='' to turn validation off"
+        )  # fmt: skip
         self.path = os.path.expanduser(self.path)  # as JobConfig.run_dir: no shell expands it
         if self.interval < 0 or self.steps < 1:
             raise ValueError(
@@ -348,7 +356,7 @@ class JobConfig:
 
     Attributes:
         model: a model-family config (for example `mt_models.Qwen3MoeConfig`).
-        run_dir: where metrics, checkpoints and the resolved config go; not empty (use
+        run_dir: where metrics, checkpoints and the resolved config go; not empty or blank (use
             "." for the current directory). A leading ``~`` is the home directory here and
             in `init_from` (no shell expands it in a TOML file).
         seed: seeds weight initialization and data shuffling.
@@ -377,6 +385,14 @@ class JobConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
 
     def __post_init__(self) -> None:
+        _check_path(
+            "run_dir", self.run_dir,
+            "set run_dir=runs/NAME (or run_dir=. for the current directory)",
+        )  # fmt: skip
+        _check_path(
+            "init_from", self.init_from, "give a Hugging Face directory or an mt checkpoint "
+            "(init_from=DIR) or init_from='' to start from fresh weights"
+        )  # fmt: skip
         # Not a directory named "~" in the current one (`rm -rf ~` would then clean it up).
         self.run_dir = os.path.expanduser(self.run_dir)
         self.init_from = os.path.expanduser(self.init_from)
@@ -492,6 +508,16 @@ def _build_model_config(cls: type, values: dict[str, Any]) -> Any:
         # Every field the message names, not inside a word, a dotted key or a quoted value.
         text = re.sub(rf"(?<![\w.'\"])({names})\b", r"model.\1", str(err))
         raise ValueError(text if text.startswith("model.") else f"model: {text}") from None
+
+
+def _check_path(key: str, value: str, fix: str) -> None:
+    """Raises ValueError naming `key` when the path `value` can only be a mistake: blank
+    (whitespace only; empty keeps the meaning its key documents) or holding a NUL character
+    (no file system takes one; the OS error named no key). `fix` ends the message."""
+    if value and not value.strip():  # Path('  ') is a directory named '  '
+        raise ValueError(f"{key} ({value!r}) is blank; {fix}")
+    if "\0" in value:
+        raise ValueError(f"{key} ({value!r}) contains a NUL character, which no path can; {fix}")
 
 
 def _check_finite(data: Any, prefix: str = "") -> None:
