@@ -10,7 +10,7 @@ send matches the k-th receive. It knows nothing of how the plan was made.
 
 import pytest
 
-from mt_parallel.dualpipev import dualpipev_schedule
+from mt_parallel.dualpipev import BackwardInput, Forward, ForwardBackward, dualpipev_schedule
 from mt_parallel.pipeline_comm import ACTIVATION, Message, _needs, _sends, message_plan
 
 
@@ -112,3 +112,74 @@ def test_receiving_only_what_each_action_needs_would_deadlock(pp):
                     for r, actions in enumerate(schedule)]  # fmt: skip
     with pytest.raises(AssertionError, match="deadlock"):
         _replay(_operations(schedule, just_in_time, pp))
+
+
+def test_a_deadlocking_schedule_is_a_value_error_naming_pp_and_each_blocked_rank():
+    # It was an assert (gone under python -O, where the loop then never ended) naming
+    # only how far each rank got.
+    pp = 2
+    schedule = dualpipev_schedule(pp, 4)
+    schedule[0][0], schedule[0][3] = schedule[0][3], schedule[0][0]  # F1[0] first on rank 0
+    with pytest.raises(ValueError) as info:
+        message_plan(schedule, pp)
+    message = str(info.value)
+    assert message.startswith("message_plan (pp=2): the schedule deadlocks: "), message
+    for blocked in (
+        "rank 0 at action 0 (F1[0]) waits for stage 3's input of micro-batch 0 from rank 1",
+        "rank 1 at action 0 (F0[0]) waits for stage 1's input of micro-batch 0 from rank 0",
+    ):
+        assert blocked in message
+
+
+@pytest.mark.parametrize(
+    ("action", "message"),
+    [
+        ("F0[0]", r"rank 1 action 2 \('F0\[0\]'\) is not a DualPipeV action"),
+        (Forward(2, 0), r"rank 1 action 2 \(F2\[0\]\): chunk must be 0 or 1"),
+        (
+            ForwardBackward(Forward(0, 0), BackwardInput(1, 0)),
+            r"rank 1 action 2 .* must pair a Forward with a Backward",
+        ),
+    ],
+)
+def test_a_schedule_with_a_foreign_action_is_a_value_error_naming_pp_and_where(action, message):
+    # A string failed as an AttributeError inside the plan, chunk 2 as stage_of's assert
+    # and the mispaired ForwardBackward as a deadlock assert naming no action.
+    schedule = dualpipev_schedule(2, 4)
+    schedule[1][2] = action
+    with pytest.raises(ValueError, match=r"^message_plan \(pp=2\): " + message):
+        message_plan(schedule, 2)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda actions: actions + [Forward(1, 2)],
+         "rank 0 action 16 (F1[2]) takes stage 3's input of micro-batch 2 from rank 1 a second "
+         "time: the schedule must run each stage's forward and backward once per micro-batch"),
+        (lambda actions: actions + [Forward(0, 3)],
+         "rank 0 action 16 (F0[3]) sends stage 1's input of micro-batch 3 from rank 0 a second "
+         "time: "),
+        (lambda actions: [a for a in actions if str(a) != "B0[3]"],
+         "no action takes stage 0's output gradient of micro-batch 3 from rank 1 (rank 0's "
+         "B0[3] is missing): "),
+    ],
+)  # fmt: skip
+def test_a_message_sent_or_taken_twice_or_never_taken_is_a_value_error_naming_it(change, message):
+    # Repeating stage 3's forward (it sends nothing) was planned silently, and so was a
+    # missing backward whose rank still had actions: the executor found it only at the
+    # end of the step. A repeated send was an assert listing every message key.
+    schedule = dualpipev_schedule(2, 4)
+    assert "B0[3]" in map(str, schedule[0])
+    schedule[0] = change(schedule[0])
+    with pytest.raises(ValueError) as info:
+        message_plan(schedule, 2)
+    assert str(info.value).startswith(f"message_plan (pp=2): {message}"), str(info.value)
+
+
+def test_a_schedule_for_another_pp_or_a_bad_pp_is_a_value_error():
+    with pytest.raises(ValueError, match=r"^message_plan \(pp=2\): the schedule has 3 rank "
+                       r"lists; pp \(2\) needs 2"):  # fmt: skip
+        message_plan(dualpipev_schedule(3, 6), 2)
+    with pytest.raises(ValueError, match=r"^message_plan: pp \(0\) must be an integer >= 1"):
+        message_plan([], 0)

@@ -30,6 +30,7 @@ from mt_parallel.dualpipev import (
     stage_of,
     stage_rank,
 )
+from mt_parallel.pipeline_sim import _check_action_types
 
 __all__ = ["ACTIVATION", "GRADIENT", "Message", "message_plan"]
 
@@ -110,27 +111,88 @@ def message_plan(schedule: Sequence[Sequence[Action]], pp: int) -> list[list[lis
         ``plan[rank][i]``: the receives to post before action i. Every message between two
         ranks appears once, at or before the action that needs it, and for each pair of
         ranks in the order the sender sends them.
+
+    Raises:
+        ValueError: `pp` is no integer >= 1, or `schedule` has another number of rank lists
+            or an action that is not DualPipeV's; an action sends a message twice, takes
+            one twice, or no action takes one sent; or the order deadlocks. The error
+            names pp, the rank, the action's position and the message.
     """
+    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
+        raise ValueError(f"message_plan: pp ({pp!r}) must be an integer >= 1 (pipeline ranks)")
+    try:  # one pass over the actions, once per micro-batch count
+        _check_action_types(schedule, pp)
+    except ValueError as err:
+        raise ValueError(f"message_plan (pp={pp}): {err}") from None
     plan: list[list[list[Message]]] = [[] for _ in range(pp)]
     sent: set[tuple[int, int, int]] = set()  # keys, including hand-overs within a rank
+    taken: set[tuple[int, int, int]] = set()  # keys of the messages actions have needed
     order: list[Message] = []  # messages between ranks, in the order they are sent
     posted = [0] * pp  # per rank, how much of `order` it has looked through
     while any(len(plan[r]) < len(actions) for r, actions in enumerate(schedule)):
         progress = False
         for r, actions in enumerate(schedule):
-            if len(plan[r]) == len(actions):
+            i = len(plan[r])
+            if i == len(actions):
                 continue
-            action = actions[len(plan[r])]
-            if any(n.key not in sent for n in _needs(action, r, pp)):
+            action = actions[i]
+            needs = _needs(action, r, pp)
+            if any(n.key not in sent for n in needs):
                 continue
+            for msg in needs:
+                if msg.key in taken:
+                    raise ValueError(f"message_plan (pp={pp}): rank {r} action {i} ({action}) "
+                                     f"takes {_describe(msg)} a second time: {_ONCE}")  # fmt: skip
+                taken.add(msg.key)
             plan[r].append([msg for msg in order[posted[r] :] if msg.receiver == r])
             posted[r] = len(order)
             for msg in _sends(action, r, pp):
+                if msg.key in sent:
+                    raise ValueError(f"message_plan (pp={pp}): rank {r} action {i} ({action}) "
+                                     f"sends {_describe(msg)} a second time: {_ONCE}")  # fmt: skip
                 sent.add(msg.key)
                 if msg.sender != msg.receiver:
                     order.append(msg)
             progress = True
-        assert progress, f"{pp=}: the schedule deadlocks after {[len(p) for p in plan]=}"
-    received = sorted(m.key for rank_plan in plan for before in rank_plan for m in before)
-    assert received == sorted(m.key for m in order), f"{pp=}: {received=}, {order=}"
+        if not progress:
+            raise ValueError(
+                f"message_plan (pp={pp}): the schedule deadlocks: "
+                + "; ".join(_blocked(schedule, plan, sent, pp))
+                + "; reorder the rank lists so that each action follows the ones it needs"
+            )
+    if sent != taken:  # each message sent and taken once: the plan posts it in time
+        untaken = [_message(*key, pp) for key in sorted(sent - taken)]
+        missing = [f"{_describe(m)} (rank {m.receiver}'s {_taker(m, pp)} is missing)"
+                   for m in untaken]  # fmt: skip
+        raise ValueError(f"message_plan (pp={pp}): no action takes {'; '.join(missing)}: {_ONCE}")
     return plan
+
+
+_ONCE = "the schedule must run each stage's forward and backward once per micro-batch"
+
+
+def _describe(m: Message) -> str:
+    what = "input" if m.kind == ACTIVATION else "output gradient"
+    return f"stage {m.stage}'s {what} of micro-batch {m.micro_batch} from rank {m.sender}"
+
+
+def _taker(m: Message, pp: int) -> str:
+    """The action that takes a message: its receiving stage's F, or its B (or BW)."""
+    chunk = stage_rank(m.stage, pp)[1]
+    return f"{'F' if m.kind == ACTIVATION else 'B'}{chunk}[{m.micro_batch}]"
+
+
+def _blocked(
+    schedule: Sequence[Sequence[Action]],
+    plan: list[list[list[Message]]],
+    sent: set[tuple[int, int, int]],
+    pp: int,
+) -> list[str]:
+    """Each rank that has actions left: its next action and the messages it still waits for."""
+    out = []
+    for r, actions in enumerate(schedule):
+        i = len(plan[r])
+        if i < len(actions):
+            waits = [_describe(m) for m in _needs(actions[i], r, pp) if m.key not in sent]
+            out.append(f"rank {r} at action {i} ({actions[i]}) waits for " + ", ".join(waits))
+    return out

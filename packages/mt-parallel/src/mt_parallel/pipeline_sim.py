@@ -91,11 +91,11 @@ class Simulation:
     peak_activations_total: list[int]
 
 
-def _check_actions(schedule: Sequence[Sequence[Action]], pp: int) -> None:
-    """Raises ValueError for a foreign action, a missing one, or one run twice."""
+def _check_action_types(schedule: Sequence[Sequence[Action]], pp: int) -> None:
+    """Raises ValueError unless `schedule` holds pp rank lists of DualPipeV actions (chunk 0
+    or 1, micro_batch >= 0), naming the first that is not."""
     if len(schedule) != pp:
         raise ValueError(f"the schedule has {len(schedule)} rank lists; pp ({pp}) needs {pp}")
-    seen: dict[_Work, list[str]] = {}
     for r, actions in enumerate(schedule):
         for i, action in enumerate(actions):
             if isinstance(action, ForwardBackward):
@@ -113,6 +113,14 @@ def _check_actions(schedule: Sequence[Sequence[Action]], pp: int) -> None:
                     raise ValueError(
                         f"rank {r} action {i} ({action}): chunk must be 0 or 1 and micro_batch >= 0"
                     )
+
+
+def _check_actions(schedule: Sequence[Sequence[Action]], pp: int) -> None:
+    """Raises ValueError for a foreign action, a missing one, or one run twice."""
+    _check_action_types(schedule, pp)
+    seen: dict[_Work, list[str]] = {}
+    for r, actions in enumerate(schedule):
+        for i, action in enumerate(actions):
             for work in _works(action, r, pp):
                 seen.setdefault(work, []).append(f"rank {r} action {i}")
     num_micro_batches = 1 + max((mb for _, _, mb in seen), default=-1)
