@@ -1,5 +1,8 @@
 """The five phases composed by hand equal forward(). Legend: B, S, T, D, E, K, R."""
 
+from types import SimpleNamespace
+
+import pytest
 import torch
 
 from mt_models import Dispatcher, LayerOutput, LocalDispatcher, MoEDecoderLayer, Routed
@@ -98,3 +101,28 @@ def test_local_dispatcher_runs_experts_from_tokens_when_they_offer_it(build_debu
     plain.forward = experts.forward
     assert torch.equal(layer.dispatcher.run_experts(routed, plain), phases)
     assert calls == [2]
+
+
+def test_an_moe_layers_experts_without_counts_is_a_value_error_naming_where_they_come_from(
+    build_debug_model,
+):
+    # An assert before: under python -O the experts ran with None counts and failed inside.
+    layer = build_debug_model().model.layers[0]
+    routed = layer.attend(_input(128))
+    with pytest.raises(ValueError, match=r"^experts: tokens_per_expert_E is None, but this is "
+                       r"an MoE layer: pass the counts its dispatcher's dispatch\(routed\) "
+                       r"returns"):  # fmt: skip
+        layer.experts(routed.hidden_TD, None)
+
+
+def test_dispatching_a_dense_layers_routed_is_a_value_error(build_debug_model):
+    model = build_debug_model(mlp_only_layers=(1,))
+    dense = model.model.layers[1].attend(_input(128))
+    dispatcher = model.model.layers[0].dispatcher
+    fused = SimpleNamespace(forward_tokens=lambda *args: pytest.fail("ran the experts"))
+    for name, call in (("dispatch", lambda: dispatcher.dispatch(dense)),
+                       ("run_experts", lambda: dispatcher.run_experts(dense, fused))):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"^LocalDispatcher.{name}: routed has no top-k "
+                           r"\(topk_ids_TK None, topk_weights_TK None\): it is a dense layer's "
+                           r"attend output"):  # fmt: skip
+            call()

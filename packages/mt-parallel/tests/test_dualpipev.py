@@ -20,6 +20,8 @@ from mt_parallel.dualpipev import (
     Forward,
     ForwardBackward,
     dualpipev_schedule,
+    stage_of,
+    stage_rank,
 )
 from mt_parallel.pipeline_sim import simulate
 
@@ -262,3 +264,22 @@ def test_foreign_actions_are_refused(action, message):
     schedule[0][0] = action
     with pytest.raises(ValueError, match=message):
         simulate(schedule, 2)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: stage_of(2, 0, 2), r"^stage_of: rank \(2\) must be in \[0, pp=2\) and chunk "
+                                    r"\(0\) 0 or 1"),
+        (lambda: stage_of(0, 2, 2), r"^stage_of: rank \(0\) must be in \[0, pp=2\) and chunk "
+                                    r"\(2\) 0 or 1"),
+        (lambda: stage_of(-1, 1, 2), r"^stage_of: rank \(-1\) must be in \[0, pp=2\)"),
+        (lambda: stage_rank(4, 2), r"^stage_rank: stage \(4\) must be in \[0, 2\*pp=4\)"),
+        (lambda: stage_rank(-1, 1), r"^stage_rank: stage \(-1\) must be in \[0, 2\*pp=2\)"),
+    ],
+)  # fmt: skip
+def test_stage_of_and_stage_rank_refuse_what_no_rank_holds_with_a_value_error(call, message):
+    # Asserts before: gone under python -O, where stage_of(2, 0, 2) returned stage 2 (rank
+    # 1's chunk 1) and stage_rank(4, 2) rank -1.
+    with pytest.raises(ValueError, match=message):
+        call()

@@ -58,3 +58,20 @@ def test_a_second_apply_expert_parallel_is_refused_not_sliced_again(monkeypatch)
     assert counts == [
         m.mlp.experts.num_experts for m in model.model.layers if isinstance(m.mlp, MoEBlock)
     ]
+
+
+def test_expert_parallel_dispatch_of_a_dense_layers_routed_is_a_value_error(monkeypatch):
+    # An assert before (gone under python -O: plan_dispatch(None, ...) failed inside mt-ops).
+    import torch
+    import torch.distributed as dist
+
+    from mt_models import Routed
+    from mt_parallel.expert_parallel import ExpertParallelDispatcher
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    dispatcher = ExpertParallelDispatcher(8, group=None)
+    dense = Routed(torch.zeros(4, 16), torch.zeros(4, 16), (1, 4))
+    with pytest.raises(ValueError, match=r"^ExpertParallelDispatcher.dispatch: routed has no "
+                       r"top-k \(topk_ids_TK None, topk_weights_TK None\)"):  # fmt: skip
+        dispatcher.dispatch(dense)

@@ -316,3 +316,30 @@ def test_fsdp_of_stages_refuses_tied_embeddings_held_by_both_stages_naming_them(
     stages = split_for_dualpipev(build_model(_qwen3(4, **VARIANTS["tied_embeddings"])), 0, 1)
     with pytest.raises(ValueError, match=r"\['model\.embed_tokens\.weight'\].*tie_word_embed"):
         apply_fsdp_to_stages(stages, mesh=None)
+
+
+def test_a_micro_batch_of_2_to_the_24_tokens_is_refused_before_the_step_runs(monkeypatch):
+    # An assert inside the first forward before: gone under python -O (token counts then
+    # travel as inexact fp32), and at pp > 1 raised on some ranks mid-step.
+    from mt_parallel.schedule import MicroBatch
+
+    executor = DualPipeVExecutor(split_for_dualpipev(build_model(_qwen3(2)), 0, 1), 0, 1)
+    ran = []
+    monkeypatch.setattr(executor, "_run", lambda *args: ran.append(args))
+    small = MicroBatch(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))
+    ids = torch.zeros(1, 1, dtype=torch.long).expand(2, 2**23)  # 2**24 tokens, no memory
+    big = MicroBatch(ids, ids)
+    with pytest.raises(ValueError, match=r"^microbatches\[1\] holds 2 x 8388608 = 16777216 "
+                       r"tokens; the pipeline sends token counts as fp32, exact below 2\*\*24 "
+                       r"\(16777216\): use smaller micro-batches"):  # fmt: skip
+        executor.step([small, big], 10)
+    assert ran == []
+
+
+def test_the_loss_of_a_stage_that_is_not_last_is_a_value_error():
+    first, last = split_for_dualpipev(build_model(_qwen3(2)), 0, 1)
+    hidden = torch.zeros(1, 4, 32)
+    labels = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"^PipelineStage.loss: stage 0 of 2 is not the last "
+                       r"\(stage 1\), which holds the head"):  # fmt: skip
+        first.loss(hidden, [], labels)

@@ -71,9 +71,7 @@ class LocalDispatcher:
         Returns:
             ``(tokens_RD, tokens_per_expert_E, handle)``.
         """
-        assert routed.topk_ids_TK is not None and routed.topk_weights_TK is not None, (
-            "dispatch needs an MoE layer's Routed (topk_ids_TK and topk_weights_TK set)"
-        )
+        _check_top_k(routed, "dispatch")
         plan = plan_dispatch(routed.topk_ids_TK, self.num_experts)
         tokens_RD = permute(routed.hidden_TD, plan)  # [R, D]
         return (
@@ -109,8 +107,20 @@ class LocalDispatcher:
         if forward_tokens is None:
             tokens_RD, tokens_per_expert_E, handle = self.dispatch(routed)
             return self.combine(experts(tokens_RD, tokens_per_expert_E), handle)
-        assert routed.topk_ids_TK is not None and routed.topk_weights_TK is not None, (
-            "run_experts needs an MoE layer's Routed (topk_ids_TK and topk_weights_TK set)"
-        )
+        _check_top_k(routed, "run_experts")
         plan = plan_dispatch(routed.topk_ids_TK, self.num_experts)
         return forward_tokens(routed.hidden_TD, LocalRoute(plan, routed.topk_weights_TK))
+
+
+def _check_top_k(routed: Routed, method: str) -> None:
+    """Raises ValueError unless `routed` is an MoE layer's (top-k ids and weights set)."""
+    ids_TK, weights_TK = routed.topk_ids_TK, routed.topk_weights_TK
+    if ids_TK is None or weights_TK is None:
+        given = (
+            f"topk_ids_TK {'None' if ids_TK is None else 'set'}, "
+            f"topk_weights_TK {'None' if weights_TK is None else 'set'}"
+        )
+        raise ValueError(
+            f"LocalDispatcher.{method}: routed has no top-k ({given}): it is a dense "
+            "layer's attend output, which skips dispatch (layer.experts(routed.hidden_TD, None))"
+        )

@@ -106,13 +106,18 @@ Action = Forward | BackwardInput | BackwardWeight | Backward | ForwardBackward
 
 def stage_of(rank: int, chunk: int, pp: int) -> int:
     """The pipeline stage of a rank's chunk: r on the descending arm, 2·pp−1−r ascending."""
-    assert chunk in (0, 1) and 0 <= rank < pp, f"{rank=}, {chunk=}, {pp=}"
+    if chunk not in (0, 1) or not 0 <= rank < pp:
+        raise ValueError(
+            f"stage_of: rank ({rank}) must be in [0, pp={pp}) and chunk ({chunk}) 0 or 1 (the "
+            "V's descending or ascending arm)"
+        )
     return rank if chunk == 0 else 2 * pp - 1 - rank
 
 
 def stage_rank(stage: int, pp: int) -> tuple[int, int]:
     """The (rank, chunk) that holds a stage, the inverse of :func:`stage_of`."""
-    assert 0 <= stage < 2 * pp, f"{stage=}, {pp=}"
+    if not 0 <= stage < 2 * pp:
+        raise ValueError(f"stage_rank: stage ({stage}) must be in [0, 2*pp={2 * pp}) (pp={pp})")
     return (stage, 0) if stage < pp else (2 * pp - 1 - stage, 1)
 
 

@@ -247,7 +247,16 @@ class ExpertParallelDispatcher:
             `(tokens_RD, tokens_per_expert_e, handle)` for the local experts.
         """
         ids_TK, weights_TK = routed.topk_ids_TK, routed.topk_weights_TK
-        assert ids_TK is not None and weights_TK is not None, "dispatch needs an MoE layer"
+        if ids_TK is None or weights_TK is None:
+            given = (
+                f"topk_ids_TK {'None' if ids_TK is None else 'set'}, "
+                f"topk_weights_TK {'None' if weights_TK is None else 'set'}"
+            )
+            raise ValueError(
+                f"ExpertParallelDispatcher.dispatch: routed has no top-k ({given}): "
+                "pass an MoE layer's attend output; a dense layer runs its experts without "
+                "dispatch"
+            )
         num_tokens = ids_TK.shape[0]
         # The deduplicated send mask and per-rank counts come from mt-ops's planning kernels.
         source = plan_dispatch(ids_TK, self.num_experts, num_ranks=self.ep)

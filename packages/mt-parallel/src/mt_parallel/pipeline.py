@@ -244,12 +244,24 @@ class DualPipeVExecutor:
 
         Returns:
             The step's loss sums as ``run_microbatches`` returns them, on every rank.
+
+        Raises:
+            ValueError: global_num_tokens is not positive, a micro-batch holds 2**24 tokens
+                or more, or there are fewer than 2·pp micro-batches; before any work.
         """
         if global_num_tokens <= 0:
             raise ValueError(
                 f"global_num_tokens ({global_num_tokens}) must be positive: the number of "
                 f"labels that are not ignore_index ({ignore_index}) in the whole step"
             )
+        for i, mb in enumerate(microbatches):  # before any work, on every rank alike
+            batch, seq = mb.input_ids.shape
+            if batch * seq >= 2**24:
+                raise ValueError(
+                    f"microbatches[{i}] holds {batch} x {seq} = {batch * seq} tokens; the "
+                    "pipeline sends token counts as fp32, exact below 2**24 (16777216): use "
+                    "smaller micro-batches"
+                )
         actions, plan = self._plan(len(microbatches))
         step = _Step(microbatches, global_num_tokens, ignore_index)
         self.weight_flushes = []
@@ -310,8 +322,7 @@ class DualPipeVExecutor:
 
     def _forward(self, chunk: int, mb: int, step: _Step) -> None:
         stage, data = self.stages[chunk], step.microbatches[mb]
-        batch, seq = data.input_ids.shape
-        assert batch * seq < 2**24, f"{batch=}, {seq=}: token counts are sent as exact fp32"
+        batch = data.input_ids.shape[0]  # batch * seq < 2**24: checked by step()
         if stage.is_first:
             x, inputs = data.input_ids, []
         else:

@@ -172,7 +172,11 @@ class PipelineStage(nn.Module):
         Returns:
             The :class:`~mt_models.base.LossOutput`.
         """
-        assert self.is_last, f"{self.stage=}, {self.num_stages=}"
+        if not self.is_last:
+            raise ValueError(
+                f"PipelineStage.loss: stage {self.stage} of {self.num_stages} is not the last "
+                f"(stage {self.num_stages - 1}), which holds the head; call loss on that one"
+            )
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         hidden_TD = hidden_BSD.reshape(-1, hidden_BSD.shape[-1])
         ce_sum, num_tokens = linear_cross_entropy(

@@ -85,7 +85,11 @@ class DecoderLayer(nn.Module):
         """
         if not self.is_moe:
             return self.mlp(tokens_RD)
-        assert tokens_per_expert_E is not None, "an MoE layer needs tokens_per_expert_E"
+        if tokens_per_expert_E is None:
+            raise ValueError(
+                "experts: tokens_per_expert_E is None, but this is an MoE layer: pass the "
+                "counts its dispatcher's dispatch(routed) returns (only a dense layer takes None)"
+            )
         return self.mlp.experts(tokens_RD, tokens_per_expert_E)
 
     def aggregate(self, expert_out_TD: Tensor, routed: Routed) -> Tensor:
