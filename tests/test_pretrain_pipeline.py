@@ -42,6 +42,7 @@ RUN = [
     "training.num_threads=1", "checkpoint.interval=2", "checkpoint.keep_last=4",
 ]  # fmt: skip
 PP2 = ["parallel.pp=2"]
+FP8 = ["precision.fp8=true", "training.max_steps=3"]  # (emulated on the CPU)
 LOSS_TOLERANCE = 1e-5
 TENSOR_TOLERANCE = 1e-4
 
@@ -79,6 +80,7 @@ def _on_two_ranks(root: str) -> None:
     assert state.pipeline is not None and state.pipeline.pp == 2
     state = pretrain(_cfg(root / "pp1_then_pp2", *PP2))
     assert len(state.losses) == 2, "the resumed run must start at step 3"
+    pretrain(_cfg(root / "fp8_pp2", *PP2, *FP8))
     pretrain(_cfg(root / "pp2_then_pp1", *PP2, "training.max_steps=2"))
     pretrain(_cfg(root / "init_pp2", *PP2, *_init_from(root)))
 
@@ -107,8 +109,14 @@ def _final(run_dir: Path) -> tuple[dict[str, torch.Tensor], dict, list[float]]:
 def test_pp2_trains_saves_and_resumes_as_one_process_does(tmp_path, monkeypatch):
     pretrain(_cfg(tmp_path / "reference"))
     pretrain(_cfg(tmp_path / "pp1_then_pp2", "training.max_steps=2"))
+    pretrain(_cfg(tmp_path / "fp8_pp1", *FP8))
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
     spawn(_on_two_ranks, 2, str(tmp_path))
+    # FP8 linears under the pipeline defer their weight gradients too: the same losses.
+    fp8, fp8_pp2 = _losses(tmp_path / "fp8_pp1"), _losses(tmp_path / "fp8_pp2")
+    assert len(fp8_pp2) == 3 and fp8 != _losses(tmp_path / "reference")[:3]
+    for step, (got, want) in enumerate(zip(fp8_pp2, fp8, strict=True), start=1):
+        assert abs(got - want) <= LOSS_TOLERANCE * abs(want), f"fp8: step {step} {got} {want}"
     state = pretrain(_cfg(tmp_path / "pp2_then_pp1"))
     assert len(state.losses) == 2 and state.pipeline is None
     # init_from: every pipeline rank loads the whole model before keeping its stages.

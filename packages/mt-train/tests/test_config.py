@@ -91,7 +91,6 @@ def test_pipeline_layouts_it_does_not_run_yet_are_refused_naming_the_keys_and_fi
         ("model.num_hidden_layers=3", r"2\*pp = 4 stages .* model.num_hidden_layers is 3"),
         ("validation.path=heldout validation.interval=5",
          r"validation.path \('heldout'\) with parallel.pp=2: .* leave validation.path empty"),
-        ("precision.fp8=true", r"precision.fp8 with parallel.pp=2"),
     ):  # fmt: skip
         with pytest.raises(ValueError, match=rule):
             overrides = [*tiny, "parallel.pp=2", *bad.split()]

@@ -305,7 +305,7 @@ class ParallelConfig:
     Attributes:
         pp: pipeline-parallel size; > 1 runs mt-parallel's DualPipeV executor, with data
             parallelism (FSDP2 over dp) but not yet cp or ep > 1 (world_size = pp·dp), at
-            least 2·pp micro-batches per step, no validation and no FP8 yet.
+            least 2·pp micro-batches per step, no validation yet.
         dp: data-parallel (FSDP) size; -1 takes world_size // (pp·cp·ep).
         cp: context-parallel size (zigzag sequence chunks).
         ep: expert-parallel size; must divide the number of experts.
@@ -456,12 +456,7 @@ class JobConfig:
                 "pipeline has no forward-only evaluation yet; leave validation.path empty "
                 "(and validation.interval 0), or use parallel.pp=1"
             )
-        if self.precision.fp8:
-            raise ValueError(
-                f"precision.fp8 with parallel.pp={pp}: FP8 linears are not yet combined with "
-                "the pipeline's deferred weight gradients; set precision.fp8=false (or "
-                "parallel.pp=1)"
-            )
+
 
     def to_dict(self) -> dict[str, Any]:
         """Returns the config as nested plain data, with the model family named."""
