@@ -19,7 +19,8 @@ steps (as in tests/test_checkpoint_layouts.py); a tensor on the wrong rank, load
 the wrong place or not updated is off by O(1), and a gradient norm summed on one rank
 only clips another way (2e-4 off by step 4). Measured here (CPU, torch 2.11): equal.
 
-Also: 3 steps in FP8 (emulated) at pp = 2 give the one-process FP8 losses; and pp = 2 with
+Also: 3 steps in FP8 (emulated) at pp = 2 give the one-process FP8 losses; validation at
+pp = 2 (and pp = 2, dp = 2) gives the one-process held-out losses; and pp = 2 with
 dp = 2 (four ranks, FSDP2 over each stage's two replicas) trains, saves and resumes to and
 from pp = 1 as one process does, every rank having materialized its own stages only.
 """
@@ -33,6 +34,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from mt_data import default_corpus_dir
 from mt_models import base
 from mt_parallel.testing import rel_err, spawn
 from mt_train.checkpoint import checkpoint_root, latest_checkpoint
@@ -47,6 +49,9 @@ RUN = [
 ]  # fmt: skip
 PP2 = ["parallel.pp=2"]
 FP8 = ["precision.fp8=true", "training.max_steps=3"]  # (emulated on the CPU)
+# Validation on the training corpus (the mechanism only), after each of 2 steps.
+VAL = [f"validation.path={default_corpus_dir()}", "validation.interval=1",
+       "validation.steps=2", "training.max_steps=2"]  # fmt: skip
 LOSS_TOLERANCE = 1e-5
 TENSOR_TOLERANCE = 1e-4
 
@@ -85,6 +90,7 @@ def _on_two_ranks(root: str) -> None:
     state = pretrain(_cfg(root / "pp1_then_pp2", *PP2))
     assert len(state.losses) == 2, "the resumed run must start at step 3"
     pretrain(_cfg(root / "fp8_pp2", *PP2, *FP8))
+    pretrain(_cfg(root / "val_pp2", *PP2, *VAL))
     pretrain(_cfg(root / "pp2_then_pp1", *PP2, "training.max_steps=2"))
     pretrain(_cfg(root / "init_pp2", *PP2, *_init_from(root)))
 
@@ -95,9 +101,18 @@ def _init_from(root: Path) -> list[str]:
     return [f"init_from={step_2}", "training.max_steps=1"]
 
 
-def _losses(run_dir: Path) -> list[float]:
+def _losses(run_dir: Path, key: str = "loss") -> list[float]:
     rows = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(row)["loss"] for row in rows]
+    return [json.loads(row)[key] for row in rows if key in json.loads(row)]
+
+
+def _assert_same_validation(run_dir: Path, reference: Path) -> None:
+    """The run's held-out losses (forward only, through the stages) are the reference's."""
+    got, want = _losses(run_dir, "val_loss"), _losses(reference, "val_loss")
+    assert len(got) == len(want) == 2, (got, want)
+    assert got[0] != got[1], "the weights changed between the evaluations"
+    for g, w in zip(got, want, strict=True):
+        assert abs(g - w) <= LOSS_TOLERANCE * abs(w), f"{run_dir.name}: val_loss {got} {want}"
 
 
 def _final(run_dir: Path) -> tuple[dict[str, torch.Tensor], dict, list[float]]:
@@ -114,6 +129,7 @@ def test_pp2_trains_saves_and_resumes_as_one_process_does(tmp_path, monkeypatch)
     pretrain(_cfg(tmp_path / "reference"))
     pretrain(_cfg(tmp_path / "pp1_then_pp2", "training.max_steps=2"))
     pretrain(_cfg(tmp_path / "fp8_pp1", *FP8))
+    pretrain(_cfg(tmp_path / "val_pp1", *VAL))
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
     spawn(_on_two_ranks, 2, str(tmp_path))
     # FP8 linears under the pipeline defer their weight gradients too: the same losses.
@@ -121,6 +137,7 @@ def test_pp2_trains_saves_and_resumes_as_one_process_does(tmp_path, monkeypatch)
     assert len(fp8_pp2) == 3 and fp8 != _losses(tmp_path / "reference")[:3]
     for step, (got, want) in enumerate(zip(fp8_pp2, fp8, strict=True), start=1):
         assert abs(got - want) <= LOSS_TOLERANCE * abs(want), f"fp8: step {step} {got} {want}"
+    _assert_same_validation(tmp_path / "val_pp2", tmp_path / "val_pp1")
     state = pretrain(_cfg(tmp_path / "pp2_then_pp1"))
     assert len(state.losses) == 2 and state.pipeline is None
     # init_from: every pipeline rank loads the whole model before keeping its stages.
@@ -160,16 +177,19 @@ def _on_four_ranks(root: str) -> None:
     state = pretrain(_cfg(root / "pp1_then_pp2_dp2", *PP2_DP2))
     assert len(state.losses) == 2, "the resumed run must start at step 3"
     pretrain(_cfg(root / "pp2_dp2_then_pp1", *PP2_DP2, "training.max_steps=2"))
+    pretrain(_cfg(root / "val_pp2_dp2", *PP2_DP2, *VAL))
 
 
 @pytest.mark.slow
 def test_pp2_dp2_trains_saves_and_resumes_as_one_process_does(tmp_path, monkeypatch):
     pretrain(_cfg(tmp_path / "reference", *DP2))
     pretrain(_cfg(tmp_path / "pp1_then_pp2_dp2", *DP2, "training.max_steps=2"))
+    pretrain(_cfg(tmp_path / "val_dp2_pp1", *DP2, *VAL))
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
     spawn(_on_four_ranks, 4, str(tmp_path))
     state = pretrain(_cfg(tmp_path / "pp2_dp2_then_pp1", *DP2))
     assert len(state.losses) == 2 and state.pipeline is None
+    _assert_same_validation(tmp_path / "val_pp2_dp2", tmp_path / "val_dp2_pp1")
     ref_tensors, ref_data, ref_losses = _final(tmp_path / "reference")
     compared = {k for k in ref_tensors if k.startswith(("model/", "optim/"))}
     for run in ("pp2_dp2", "pp1_then_pp2_dp2", "pp2_dp2_then_pp1"):

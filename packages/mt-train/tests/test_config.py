@@ -89,8 +89,6 @@ def test_pipeline_layouts_it_does_not_run_yet_are_refused_naming_the_keys_and_fi
          r"training.global_batch_size \(4\) / training.micro_batch_size \(2\) = 2; raise "
          r"training.global_batch_size to at least 8"),
         ("model.num_hidden_layers=3", r"2\*pp = 4 stages .* model.num_hidden_layers is 3"),
-        ("validation.path=heldout validation.interval=5",
-         r"validation.path \('heldout'\) with parallel.pp=2: .* leave validation.path empty"),
     ):  # fmt: skip
         with pytest.raises(ValueError, match=rule):
             overrides = [*tiny, "parallel.pp=2", *bad.split()]

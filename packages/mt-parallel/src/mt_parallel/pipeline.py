@@ -85,6 +85,9 @@ mt-train's pretrain runs it with pp (and dp), each rank optimizing and checkpoin
 stages' parameters under the model's names (``rank_parameters``), so checkpoints keep the
 one-process layout. Not here yet: the overlap of ``ForwardBackward``'s halves, and
 composition with EP and CP.
+
+Validation: :meth:`~DualPipeVExecutor.evaluate` runs micro-batches forward only, each
+through the 2·pp stages in turn (no overlap: held-out batches are few).
 """
 
 from __future__ import annotations
@@ -284,6 +287,58 @@ class DualPipeVExecutor:
         for root in roots:  # chunk 0, then chunk 1: the same order on every replica
             reduce_held_gradients(root)
         return self._result(step)
+
+    @torch.no_grad()
+    def evaluate(
+        self, microbatches: Sequence[MicroBatch], *, ignore_index: int = -100
+    ) -> tuple[Tensor, Tensor]:
+        """Forward only (validation): each micro-batch through the V's 2·pp stages in turn,
+        the hidden states sent with blocking point-to-point operations that every rank
+        issues in the same (micro-batch, stage) order, so they match and cannot deadlock.
+        No router statistics travel: the loss is the cross-entropy alone.
+
+        Args:
+            microbatches: as for :meth:`step` (any number).
+            ignore_index: label value that carries no loss.
+
+        Returns:
+            ``(ce_sum fp64, num_tokens int64)`` of the replica's micro-batches on the rank
+            that holds the last stage (rank 0), zeros on the others: a sum over every rank
+            adds up the replicas.
+        """
+        ce_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        num_tokens = torch.zeros((), dtype=torch.int64, device=self.device)
+        num_stages = 2 * self.pp
+        for data in microbatches:
+            batch, seq = data.input_ids.shape
+            hidden = None
+            for stage in range(num_stages):
+                rank, chunk = stage_rank(stage, self.pp)
+                previous = stage_rank(stage - 1, self.pp)[0] if stage else rank
+                if rank != self.rank:
+                    if previous == self.rank:  # this rank ran the stage before: hand over
+                        dist.send(hidden.contiguous(), group=self.group, group_dst=rank)
+                    continue
+                if stage == 0:
+                    x = data.input_ids
+                elif previous == self.rank:
+                    x = hidden
+                else:
+                    x = torch.empty((batch, seq, self.stages[chunk].hidden_size),
+                                    dtype=self.dtype, device=self.device)  # fmt: skip
+                    dist.recv(x, group=self.group, group_src=previous)
+                out = self.stages[chunk](x, data.positions)
+                hidden = out.hidden_BSD
+                if stage == num_stages - 1:
+                    loss = self.stages[chunk].loss(hidden, [], data.labels, ignore_index)
+                    ce_sum += loss.ce_sum.double()
+                    num_tokens += loss.num_tokens
+                elif stage_rank(stage + 1, self.pp)[0] != self.rank:
+                    assert hidden.dtype == self.dtype, (
+                        f"rank {self.rank}: stage {stage} gives {hidden.dtype} hidden states, "
+                        f"stage {stage + 1} receives {self.dtype}"
+                    )
+        return ce_sum, num_tokens
 
     def _plan(self, num_micro_batches: int) -> tuple[list[Action], list]:
         """This rank's actions and the receives to post before each, computed once per

@@ -305,7 +305,7 @@ class ParallelConfig:
     Attributes:
         pp: pipeline-parallel size; > 1 runs mt-parallel's DualPipeV executor, with data
             parallelism (FSDP2 over dp) but not yet cp or ep > 1 (world_size = pp·dp), at
-            least 2·pp micro-batches per step, no validation yet.
+            least 2·pp micro-batches per step.
         dp: data-parallel (FSDP) size; -1 takes world_size // (pp·cp·ep).
         cp: context-parallel size (zigzag sequence chunks).
         ep: expert-parallel size; must divide the number of experts.
@@ -430,8 +430,8 @@ class JobConfig:
             self._check_pipeline()
 
     def _check_pipeline(self) -> None:
-        """Refuses what the pipeline (parallel.pp > 1) does not run yet, and too few
-        micro-batches or layers for its schedule."""
+        """Refuses too few micro-batches or layers for the pipeline's (parallel.pp > 1)
+        schedule."""
         pp, training = self.parallel.pp, self.training
         micro_batches = training.global_batch_size // max(training.micro_batch_size, 1)
         if micro_batches < 2 * pp:
@@ -450,13 +450,6 @@ class JobConfig:
                 f"layer, but model.num_hidden_layers is {layers}; use parallel.pp <= "
                 f"{max(layers // 2, 1)} or more layers"
             )
-        if self.validation.enabled:
-            raise ValueError(
-                f"validation.path ({self.validation.path!r}) with parallel.pp={pp}: the "
-                "pipeline has no forward-only evaluation yet; leave validation.path empty "
-                "(and validation.interval 0), or use parallel.pp=1"
-            )
-
 
     def to_dict(self) -> dict[str, Any]:
         """Returns the config as nested plain data, with the model family named."""

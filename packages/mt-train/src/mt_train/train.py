@@ -963,22 +963,34 @@ def validate(state: TrainState) -> float:
     state.val_dataset.load_state_dict(state.val_start)
     ce_sum = torch.zeros((), dtype=torch.float64, device=state.device)
     num_tokens = torch.zeros((), dtype=torch.int64, device=state.device)
-    was_training = state.model.training
-    state.model.eval()
+    # Under the pipeline the rank's stages, each micro-batch's loss on the last stage's rank
+    # (zeros elsewhere, so the sum over the world adds up the replicas).
+    pipeline = state.pipeline
+    modules = list(state.model.stages) if pipeline is not None else [state.model]
+    was_training = [module.training for module in modules]
+    for module in modules:
+        module.eval()
     with torch.no_grad(), state.autocast():
         for _ in range(state.cfg.validation.steps):
-            for mb in next_microbatches(state, state.val_dataset):
+            microbatches = next_microbatches(state, state.val_dataset)
+            if pipeline is not None:
+                ce, count = pipeline.evaluate(microbatches, ignore_index=IGNORE_INDEX)
+                ce_sum += ce
+                num_tokens += count
+                continue
+            for mb in microbatches:
                 kwargs = {} if mb.positions is None else {"position_ids": mb.positions}
                 out = state.model.loss(mb.input_ids, mb.labels, ignore_index=IGNORE_INDEX, **kwargs)
                 ce_sum += out.ce_sum.double()
                 num_tokens += out.num_tokens
-    state.model.train(was_training)
+    for module, mode in zip(modules, was_training, strict=True):
+        module.train(mode)
     # FSDP2 keeps a module's parameters gathered after its forward when it does not
     # reshard after forward (the root; every layer with parallel.reshard_after_forward=false)
     # until a backward reshards them, and none follows here: a checkpoint saved next read
     # the gathered tensors in place of the sharded ones the optimizer holds. Reshard (and
     # free the gathered copies) now.
-    for module in state.model.modules():
+    for module in (m for root in modules for m in root.modules()):
         if isinstance(module, FSDPModule):
             module.reshard()
     return float(all_reduce(ce_sum)) / max(int(all_reduce(num_tokens)), 1)
