@@ -80,11 +80,12 @@ def test_pipeline_layouts_it_does_not_run_yet_are_refused_naming_the_keys_and_fi
             "training.micro_batch_size=1"]  # fmt: skip
     cfg = resolve_config(get_recipe("tiny"), overrides=[*tiny, "parallel.pp=2"])
     assert cfg.parallel.pp == 2  # 4 micro-batches, 4 layers: accepted
-    cfg = resolve_config(get_recipe("tiny"), overrides=[*tiny, "parallel.pp=2", "parallel.dp=2"])
-    assert (cfg.parallel.pp, cfg.parallel.dp) == (2, 2)  # with data parallelism too
+    for more in ("parallel.dp=2", "parallel.ep=2"):  # with data or expert parallelism too
+        cfg = resolve_config(get_recipe("tiny"), overrides=[*tiny, "parallel.pp=2", more])
+        assert cfg.parallel.pp == 2
     for bad, rule in (
-        ("parallel.cp=2", r"composes with data parallelism \(dp\) only .* cp=2, ep=1"),
-        ("parallel.ep=2", r"ep=2\); use parallel.pp=2 with cp and ep at 1"),
+        ("parallel.cp=2", r"not yet with context parallelism \(got cp=2\); use "
+         r"parallel.pp=2 with cp=1"),
         ("training.micro_batch_size=2", r"at least 2\*pp = 4 micro-batches .* "
          r"training.global_batch_size \(4\) / training.micro_batch_size \(2\) = 2; raise "
          r"training.global_batch_size to at least 8"),

@@ -304,7 +304,8 @@ class ParallelConfig:
 
     Attributes:
         pp: pipeline-parallel size; > 1 runs mt-parallel's DualPipeV executor, with data
-            parallelism (FSDP2 over dp) but not yet cp or ep > 1 (world_size = pp·dp), at
+            and expert parallelism (FSDP2 over dp, experts over ep) but not yet cp > 1
+            (world_size = pp·dp·ep), at
             least 2·pp micro-batches per step.
         dp: data-parallel (FSDP) size; -1 takes world_size // (pp·cp·ep).
         cp: context-parallel size (zigzag sequence chunks).
@@ -331,12 +332,11 @@ class ParallelConfig:
         for name in ("pp", "cp", "ep"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name} ({getattr(self, name)}) must be >= 1")
-        if self.pp > 1 and (self.cp > 1 or self.ep > 1):
+        if self.pp > 1 and self.cp > 1:
             raise ValueError(
-                f"parallel.pp ({self.pp}) > 1 composes with data parallelism (dp) only for "
-                f"now: the pipeline executor does not run CP or EP yet (got cp={self.cp}, "
-                f"ep={self.ep}); use parallel.pp={self.pp} with cp and ep at 1, or "
-                "parallel.pp=1"
+                f"parallel.pp ({self.pp}) > 1 composes with data and expert parallelism (dp, "
+                f"ep), not yet with context parallelism (got cp={self.cp}); use "
+                f"parallel.pp={self.pp} with cp=1, or parallel.pp=1"
             )
         if self.dp < 1 and self.dp != -1:
             raise ValueError(f"parallel.dp ({self.dp}) must be >= 1, or -1 to fill the world")

@@ -50,6 +50,7 @@ from mt_parallel import (
     zigzag_ranges,
 )
 from mt_parallel.context_parallel import split_sample
+from mt_parallel.expert_parallel import apply_expert_parallel
 from mt_parallel.fsdp import apply_fsdp_to_stages
 from mt_parallel.mesh import build_mesh
 from mt_parallel.pipeline_stages import PipelineStage, rank_parameters, split_for_dualpipev
@@ -277,8 +278,9 @@ def setup(cfg: JobConfig) -> TrainState:
     mesh, pipeline = None, None
     if dims.pp > 1:
         model, pipeline, mesh = _split_for_the_pipeline(
-            model, dims, env, cfg.seed, autocast_dtype, par.reshard_after_forward
-        )
+            model, dims, env, cfg.seed, autocast_dtype, par.reshard_after_forward,
+            ep_async=par.ep_comm == "async",
+        )  # fmt: skip
     elif env.world_size > 1:
         mesh = parallelize(
             model,
@@ -330,18 +332,21 @@ def setup(cfg: JobConfig) -> TrainState:
 
 def _split_for_the_pipeline(
     model: torch.nn.Module, dims: ParallelDims, env: Env, seed: int,
-    param_dtype: torch.dtype | None, reshard_after_forward: bool,
+    param_dtype: torch.dtype | None, reshard_after_forward: bool, *, ep_async: bool = True,
 ) -> tuple[PipelineRank, DualPipeVExecutor, ParallelMesh | None]:  # fmt: skip
-    """Keeps this rank's DualPipeV stages of the meta-device `model` (sharded over the dp
-    replicas when dp > 1, computing in `param_dtype`), materializes and initializes them
-    alone, as one process would (initialization is a function of the seed and each
-    parameter's name), and builds their executor; returns the mesh when dp > 1. The other
-    stages' layers stay on the meta device: no rank ever holds the whole model."""
+    """Keeps this rank's DualPipeV stages of the meta-device `model` (with its slice of the
+    experts when ep > 1, sharded by FSDP2 as `parallelize` shards when dp·ep > 1,
+    computing in `param_dtype`), materializes and initializes them alone, as one process
+    would (initialization is a function of the seed and each parameter's name), and builds
+    their executor; returns the mesh when dp·ep > 1. The other stages' layers stay on the
+    meta device: no rank ever holds the whole model."""
     # The stages' linears defer their weight gradients; swapped here, in the whole model,
     # the stages share the swapped modules with it (a stage's own swap of its head would
     # leave the model the old module, and FSDP2 shards the parameter of the module it sees).
     make_weight_grads_deferrable(model)
-    mesh = build_mesh(dims, env.device.type) if dims.dp > 1 else None
+    mesh = build_mesh(dims, env.device.type) if dims.dp * dims.ep > 1 else None
+    if dims.ep > 1:  # each pipeline of the ep ranks holds its slice of every layer's experts
+        apply_expert_parallel(model, mesh.group("ep"), async_comm=ep_async)
     rank = mesh.rank("pp") if mesh else env.rank
     stages = split_for_dualpipev(model, rank, dims.pp)
     if mesh:  # sharded on the meta device, then each rank materializes its shards
@@ -872,8 +877,8 @@ def train_step(
     local_tokens = torch.stack([(mb.labels != IGNORE_INDEX).sum() for mb in microbatches])
     pipeline = state.pipeline
     # Under the pipeline the ranks of a replica hold the same rows: counts and loss sums
-    # are added over the replicas (the dp group), not over the world.
-    replicas = state.mesh.group("dp") if pipeline is not None and state.mesh else None
+    # are added over the replicas (the dp·ep ranks of distinct rows), not over the world.
+    replicas = state.mesh.group("dp_ep") if pipeline is not None and state.mesh else None
     if pipeline is not None and replicas is None:  # one replica: the whole global batch
         global_num_tokens = int(local_tokens.sum())
     else:
