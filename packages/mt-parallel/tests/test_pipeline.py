@@ -311,6 +311,15 @@ def test_pp2_dp2_fsdp_matches_one_process_over_four_ranks():
     spawn(check_dualpipev_cases, 4, _pp2_dp2_cases(), untagged=True, timeout_s=TIMEOUT_S)
 
 
+@pytest.mark.slow
+def test_pp2_ep2_matches_one_process_over_four_ranks():
+    # Each pipeline holds 4 of the 8 experts of every MoE layer and reads 2 of a
+    # micro-batch's 4 rows; the layers' all-to-alls meet across the two pipelines.
+    cases = [(_qwen3(5, **VARIANTS["sequence_per_layer_z"]),
+              {"num_micro_batches": 4, **SHAPES, "rows": 4, "ep": 2})]  # fmt: skip
+    spawn(check_dualpipev_cases, 4, cases, untagged=True, timeout_s=TIMEOUT_S)
+
+
 def test_fsdp_of_stages_refuses_tied_embeddings_held_by_both_stages_naming_them():
     # pp=1 puts stage 0 (embedding) and the last stage (head = embedding) on one rank.
     stages = split_for_dualpipev(build_model(_qwen3(4, **VARIANTS["tied_embeddings"])), 0, 1)

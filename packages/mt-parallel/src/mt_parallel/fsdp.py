@@ -28,7 +28,6 @@ from torch.distributed.fsdp import (
 )
 
 from mt_models.layers.experts import GroupedExperts
-from mt_ops import make_weight_grads_deferrable
 from mt_parallel.mesh import ParallelMesh
 
 
@@ -90,11 +89,10 @@ def apply_fsdp_to_stages(
     reduce_dtype: torch.dtype | None = torch.float32,
     reshard_after_forward: bool = True,
 ) -> None:
-    """Shards a pipeline rank's two DualPipeV stages (``split_for_dualpipev``): experts,
-    then each decoder layer, then each stage as a root of its own (its embedding, final
-    norm and head). The stages' ``nn.Linear`` layers are first swapped for deferrable ones
-    (``make_weight_grads_deferrable``, as the executor does), since FSDP2 records the
-    modules that own each parameter.
+    """Shards a pipeline rank's two DualPipeV stages (``split_for_dualpipev``, which made
+    their linears deferrable: FSDP2 records the modules that own each parameter, so none
+    may be swapped afterwards): experts, then each decoder layer, then each stage as a
+    root of its own (its embedding, final norm and head).
 
     Args:
         stages: the rank's (chunk 0, chunk 1), materialized and initialized.
@@ -112,7 +110,6 @@ def apply_fsdp_to_stages(
         )
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for stage in stages:
-        make_weight_grads_deferrable(stage)
         for module in list(stage.modules()):
             if isinstance(module, GroupedExperts):
                 _shard_experts(module, mesh, policy, reshard_after_forward)

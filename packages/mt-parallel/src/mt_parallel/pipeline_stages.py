@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from mt_models.base import CausalLM, LossOutput
 from mt_models.protocol import RouterStats
-from mt_ops import linear_cross_entropy
+from mt_ops import linear_cross_entropy, make_weight_grads_deferrable
 from mt_parallel.dualpipev import stage_of
 
 __all__ = ["PipelineStage", "StageOutput", "rank_parameters", "split_for_dualpipev", "stage_layers"]
@@ -191,8 +191,12 @@ def split_for_dualpipev(model: CausalLM, rank: int, pp: int) -> tuple[PipelineSt
 
     Args:
         model: a causal LM (``model.embed_tokens``/``layers``/``norm``, ``lm_head``); its
-            modules are shared with the stages, not copied. Split it before anything
-            else wraps its modules.
+            modules are shared with the stages, not copied. Its ``nn.Linear`` layers are
+            first swapped, in the model, for deferrable ones (``make_weight_grads_
+            deferrable``: same parameters), so that model and stages keep holding the same
+            modules (a stage that swapped its head alone would hold another module than
+            the model, whose initialization or sharding would then miss it). Split it
+            before anything else wraps its modules.
         rank: this rank's index in the pipeline, 0 ... pp−1.
         pp: pipeline ranks.
 
@@ -209,6 +213,7 @@ def split_for_dualpipev(model: CausalLM, rank: int, pp: int) -> tuple[PipelineSt
             "(stats_reducer)"
         )
     ranges = stage_layers(len(model.model.layers), pp)
+    make_weight_grads_deferrable(model)
     return tuple(
         PipelineStage(model, stage, 2 * pp, ranges[stage])
         for stage in (stage_of(rank, 0, pp), stage_of(rank, 1, pp))

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from mt_models import build_model
 from mt_parallel.dims import ParallelDims
+from mt_parallel.expert_parallel import apply_expert_parallel
 from mt_parallel.fsdp import apply_fsdp_to_stages
 from mt_parallel.mesh import build_mesh
 from mt_parallel.pipeline import DualPipeVExecutor
@@ -107,6 +108,7 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
 def compare_dualpipev(
     model_config: Any, *, num_micro_batches: int, rows: int, seq_len: int, seed: int = 0,
     grad_tol: float, loss_tol: float, packed: bool = False, device: str = "cpu", dp: int = 1,
+    ep: int = 1,
 ) -> dict[str, float]:  # fmt: skip
     """Asserts that one DualPipeV step reproduces ``run_microbatches`` on one process.
 
@@ -132,41 +134,58 @@ def compare_dualpipev(
         packed: two documents per row (per-document positions [B, S]).
         device: "cpu", or "cuda" for this rank's current GPU (spawn sets it per rank);
             both models and the batch live there, comparisons are made on the CPU.
-        dp: data-parallel replicas (rows must divide by it).
+        dp: data-parallel replicas (rows must divide by dp·ep).
+        ep: expert-parallel ranks: each (dp, ep) pipeline holds a slice of every layer's
+            experts (sharded on the meta device, as mt-train's pretrain builds them) and
+            reads its own rows; its expert gradients are compared with the reference's
+            slice.
 
     Returns:
         The worst relative errors seen.
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
-    pp = world // dp
+    pp = world // (dp * ep)
     if device == "cuda":
         device = f"cuda:{torch.cuda.current_device()}"
-    group, dp_group, reducer, dp_rank = None, None, None, 0
+    group, dp_group, reducer, dp_rank, ep_rank = None, None, None, 0, 0
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if dp > 1:
-        mesh = build_mesh(ParallelDims(world_size=world, pp=pp, dp=dp), torch.device(device).type)
-        rank, dp_rank = mesh.rank("pp"), mesh.rank("dp")
-        group, dp_group = mesh.group("pp"), mesh.group("dp")
+    if dp * ep > 1:
+        dims = ParallelDims(world_size=world, pp=pp, dp=dp, ep=ep)
+        mesh = build_mesh(dims, torch.device(device).type)
+        rank, dp_rank, ep_rank = mesh.rank("pp"), mesh.batch_rank, mesh.rank("ep")
+        group, dp_group = mesh.group("pp"), mesh.group("dp_ep")
         reducer = router_stats_reducer(mesh)
     mbs = _micro_batches(model_config.vocab_size, num_micro_batches, rows, seq_len, seed, packed)
     mbs = [_to(mb, device) for mb in mbs]
     num_tokens = sum(int((mb.labels != -100).sum()) for mb in mbs)
     reference = _build(model_config, seed, device)
     want = run_microbatches(reference, mbs, num_tokens)
-    model = _build(model_config, seed, device)
-    stages = split_for_dualpipev(model, rank, pp)
-    if dp > 1:
+    if ep > 1:  # experts sliced on the meta device, the rank's stages materialized alone
+        with torch.device("meta"):
+            model = build_model(model_config)
+        apply_expert_parallel(model, mesh.group("ep"), async_comm=False)
+        stages = split_for_dualpipev(model, rank, pp)
         apply_fsdp_to_stages(stages, mesh)
+        for stage in stages:
+            stage.to_empty(device=device)
+        model.init_weights(seed, skip_meta=True)
+    else:
+        model = _build(model_config, seed, device)
+        stages = split_for_dualpipev(model, rank, pp)
+        if dp > 1:
+            apply_fsdp_to_stages(stages, mesh)
     executor = DualPipeVExecutor(stages, rank, pp, group, stats_reducer=reducer)
-    mine_mbs = [_rows(mb, dp_rank, dp) for mb in mbs]
-    where = f"rank {rank} of pp={pp}" + (f", replica {dp_rank} of dp={dp}" if dp > 1 else "")
+    mine_mbs = [_rows(mb, dp_rank, dp * ep) for mb in mbs]
+    where = f"rank {rank} of pp={pp}"
+    if dp * ep > 1:
+        where += f", batch rank {dp_rank} of dp*ep={dp * ep}"
     worst = {"loss": 0.0, "aux": 0.0, "grad": 0.0}
     ref_params = dict(reference.named_parameters())
     mine = dict(rank_parameters(stages))
     first: dict[str, torch.Tensor] = {}
     for step in range(2):
         got = executor.step(mine_mbs, num_tokens)
-        if dp > 1:  # each replica's sums: added up
+        if dp * ep > 1:  # each replica's sums: added up
             sums = torch.stack([got.ce_sum.double(), got.num_tokens.double()])
             dist.all_reduce(sums, group=dp_group)
             got = dataclasses.replace(got, ce_sum=sums[0], num_tokens=sums[1].round().long())
@@ -193,8 +212,12 @@ def compare_dualpipev(
         for name, param in sorted(mine.items()):  # (one order: gathering shards is collective)
             assert param.grad is not None, f"{where}: {name} has no gradient"
             grad = _whole(param.grad)
+            want_grad = ref_params[name].grad.cpu()
+            if grad.shape != want_grad.shape:  # this pipeline's slice of the experts
+                local = grad.shape[0]
+                want_grad = want_grad[ep_rank * local : (ep_rank + 1) * local]
             if step == 0:
-                err = rel_err(grad, ref_params[name].grad.cpu())
+                err = rel_err(grad, want_grad)
                 worst["grad"] = max(worst["grad"], err)
                 assert err <= grad_tol, f"{where}: gradient of {name} differs by {err:.2e}"
                 first[name] = grad

@@ -37,7 +37,7 @@ from torch.distributed.fsdp import FSDPModule
 from mt_data import DataExhausted, TokenDataset, default_corpus_dir
 from mt_models import build_model
 from mt_models.layers.rope import rope_type_of
-from mt_ops import FP8WeightCache, make_weight_grads_deferrable
+from mt_ops import FP8WeightCache
 from mt_parallel import (
     DualPipeVExecutor,
     MicroBatch,
@@ -134,9 +134,9 @@ class PipelineRank:
         embedding, final norm and head off rank 0) once initialization, init_from and
         resume are done: each replaced by an ``nn.Identity`` in place, so the rank's own
         modules keep their names (``model.layers.<i>``) for `to_canonical`."""
-        # By parameter: the stages share the model's modules (their linears were swapped
-        # for deferrable ones in the model first), whose parameters FSDP2 may have replaced
-        # by its shards.
+        # By parameter: the stages share the model's modules (split_for_dualpipev swapped
+        # their linears for deferrable ones in the model), whose parameters FSDP2 may have
+        # replaced by its shards.
         kept = {id(param) for param in self.parameters()}
 
         def unused(module: torch.nn.Module) -> bool:
@@ -340,10 +340,6 @@ def _split_for_the_pipeline(
     would (initialization is a function of the seed and each parameter's name), and builds
     their executor; returns the mesh when dp·ep > 1. The other stages' layers stay on the
     meta device: no rank ever holds the whole model."""
-    # The stages' linears defer their weight gradients; swapped here, in the whole model,
-    # the stages share the swapped modules with it (a stage's own swap of its head would
-    # leave the model the old module, and FSDP2 shards the parameter of the module it sees).
-    make_weight_grads_deferrable(model)
     mesh = build_mesh(dims, env.device.type) if dims.dp * dims.ep > 1 else None
     if dims.ep > 1:  # each pipeline of the ep ranks holds its slice of every layer's experts
         apply_expert_parallel(model, mesh.group("ep"), async_comm=ep_async)
