@@ -22,8 +22,9 @@ only clips another way (2e-4 off by step 4). Measured here (CPU, torch 2.11): eq
 Also: 3 steps in FP8 (emulated) at pp = 2 give the one-process FP8 losses; validation at
 pp = 2 (and pp = 2, dp = 2) gives the one-process held-out losses; and pp = 2 with
 dp = 2 (four ranks, FSDP2 over each stage's two replicas) trains, saves and resumes to and
-from pp = 1 as one process does, and so does pp = 2 with ep = 2 (each pipeline holding half
-of every layer's experts), every rank having materialized its own stages only.
+from pp = 1 as one process does, and so do pp = 2 with ep = 2 (each pipeline holding half
+of every layer's experts) and with cp = 2 (zigzag chunks of every sequence), every rank
+having materialized its own stages only.
 """
 
 from __future__ import annotations
@@ -183,10 +184,16 @@ def _on_four_ranks(root: str) -> None:
     # experts (and reads other rows of the batch).
     state = _initializing_own_stages_only(root / "pp2_ep2", *PP2, "parallel.ep=2", *DP2)
     assert (state.dims.pp, state.dims.dp, state.dims.ep) == (2, 1, 2)
+    # Context parallelism: each pipeline of the two cp ranks holds zigzag chunks of every
+    # sequence, its attention exchanging keys and values with the other's.
+    state = pretrain(_cfg(root / "pp2_cp2", *PP2, "parallel.cp=2", *DP2))
+    assert (state.dims.pp, state.dims.dp, state.dims.cp) == (2, 1, 2)
 
 
 @pytest.mark.slow
-def test_pp2_with_dp2_or_ep2_trains_saves_and_resumes_as_one_process_does(tmp_path, monkeypatch):
+def test_pp2_with_dp2_cp2_or_ep2_trains_saves_and_resumes_as_one_process_does(
+    tmp_path, monkeypatch
+):
     pretrain(_cfg(tmp_path / "reference", *DP2))
     pretrain(_cfg(tmp_path / "pp1_then_pp2_dp2", *DP2, "training.max_steps=2"))
     pretrain(_cfg(tmp_path / "val_dp2_pp1", *DP2, *VAL))
@@ -198,7 +205,7 @@ def test_pp2_with_dp2_or_ep2_trains_saves_and_resumes_as_one_process_does(tmp_pa
     ref_tensors, ref_data, ref_losses = _final(tmp_path / "reference")
     compared = {k for k in ref_tensors if k.startswith(("model/", "optim/"))}
     assert any(".experts." in k and k.endswith("exp_avg_sq") for k in compared)
-    for run in ("pp2_dp2", "pp1_then_pp2_dp2", "pp2_dp2_then_pp1", "pp2_ep2"):
+    for run in ("pp2_dp2", "pp1_then_pp2_dp2", "pp2_dp2_then_pp1", "pp2_ep2", "pp2_cp2"):
         tensors, data, losses = _final(tmp_path / run)
         assert data == ref_data, run
         for step, (got, want) in enumerate(zip(losses, ref_losses, strict=True), start=1):

@@ -75,17 +75,15 @@ def test_bad_values_fail_validation_with_the_rule():
         resolve_config(get_recipe("debug"), overrides=overrides)
 
 
-def test_pipeline_layouts_it_does_not_run_yet_are_refused_naming_the_keys_and_fix():
+def test_pipeline_layouts_it_cannot_schedule_are_refused_naming_the_keys_and_fix():
     tiny = ["model.num_hidden_layers=4", "training.global_batch_size=4",
             "training.micro_batch_size=1"]  # fmt: skip
     cfg = resolve_config(get_recipe("tiny"), overrides=[*tiny, "parallel.pp=2"])
     assert cfg.parallel.pp == 2  # 4 micro-batches, 4 layers: accepted
-    for more in ("parallel.dp=2", "parallel.ep=2"):  # with data or expert parallelism too
+    for more in ("parallel.dp=2", "parallel.cp=2", "parallel.ep=2"):  # composed too
         cfg = resolve_config(get_recipe("tiny"), overrides=[*tiny, "parallel.pp=2", more])
         assert cfg.parallel.pp == 2
     for bad, rule in (
-        ("parallel.cp=2", r"not yet with context parallelism \(got cp=2\); use "
-         r"parallel.pp=2 with cp=1"),
         ("training.micro_batch_size=2", r"at least 2\*pp = 4 micro-batches .* "
          r"training.global_batch_size \(4\) / training.micro_batch_size \(2\) = 2; raise "
          r"training.global_batch_size to at least 8"),

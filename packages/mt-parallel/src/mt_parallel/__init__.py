@@ -8,8 +8,8 @@ clips over both meshes. For pp > 1, `dualpipev_schedule` writes DeepSeek's DualP
 per-rank lists of typed actions and `simulate` checks and times them on CPU;
 `split_for_dualpipev` cuts a model into the V's stages, `apply_fsdp_to_stages` shards
 them over the dp axis, and `DualPipeVExecutor` runs a rank's list on its two stages
-(with FSDP2 reducing gradients once per step and expert parallelism inside the stages;
-not yet with CP, nor overlapping a ForwardBackward's halves).
+(with FSDP2 reducing gradients once per step, expert and context parallelism inside the
+stages; not yet overlapping a ForwardBackward's halves).
 """
 
 from mt_parallel.context_parallel import zigzag_positions, zigzag_ranges

@@ -81,13 +81,13 @@ the replicas (``stats_reducer``) before the loss, so the load-balancing loss is 
 micro-batch's. ``global_num_tokens`` counts the labels of every replica; the loss sums of
 the returned :class:`~mt_parallel.schedule.StepResult` are the replica's own.
 
-mt-train's pretrain runs it with pp (and dp), each rank optimizing and checkpointing its
-stages' parameters under the model's names (``rank_parameters``), so checkpoints keep the
-one-process layout. Not here yet: the overlap of ``ForwardBackward``'s halves, and
-composition with CP. Expert parallelism needs nothing here: each (dp, ep) coordinate
-runs its own pipeline with its slice of the experts, and the layers' all-to-alls meet
-those of the other ep ranks' pipelines at the same action, every pipeline running the
-same schedule.
+mt-train's pretrain runs it with pp (and dp, cp, ep), each rank optimizing and
+checkpointing its stages' parameters under the model's names (``rank_parameters``), so
+checkpoints keep the one-process layout. Not here yet: the overlap of
+``ForwardBackward``'s halves. Expert and context parallelism need nothing here: each
+(dp, cp, ep) coordinate runs its own pipeline with its slice of the experts and of the
+sequences, and the layers' all-to-alls and key/value exchanges meet those of the other
+pipelines at the same action, every pipeline running the same schedule.
 
 Validation: :meth:`~DualPipeVExecutor.evaluate` runs micro-batches forward only, each
 through the 2·pp stages in turn (no overlap: held-out batches are few).

@@ -303,10 +303,9 @@ class ParallelConfig:
     """The parallel layout (ARCHITECTURE.md §5) and how collectives behave.
 
     Attributes:
-        pp: pipeline-parallel size; > 1 runs mt-parallel's DualPipeV executor, with data
-            and expert parallelism (FSDP2 over dp, experts over ep) but not yet cp > 1
-            (world_size = pp·dp·ep), at
-            least 2·pp micro-batches per step.
+        pp: pipeline-parallel size; > 1 runs mt-parallel's DualPipeV executor (with data,
+            context and expert parallelism: world_size = pp·dp·cp·ep), at least 2·pp
+            micro-batches per step.
         dp: data-parallel (FSDP) size; -1 takes world_size // (pp·cp·ep).
         cp: context-parallel size (zigzag sequence chunks).
         ep: expert-parallel size; must divide the number of experts.
@@ -332,12 +331,6 @@ class ParallelConfig:
         for name in ("pp", "cp", "ep"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallel.{name} ({getattr(self, name)}) must be >= 1")
-        if self.pp > 1 and self.cp > 1:
-            raise ValueError(
-                f"parallel.pp ({self.pp}) > 1 composes with data and expert parallelism (dp, "
-                f"ep), not yet with context parallelism (got cp={self.cp}); use "
-                f"parallel.pp={self.pp} with cp=1, or parallel.pp=1"
-            )
         if self.dp < 1 and self.dp != -1:
             raise ValueError(f"parallel.dp ({self.dp}) must be >= 1, or -1 to fill the world")
         if self.ep_comm not in ("async", "sync"):

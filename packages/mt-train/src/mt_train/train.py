@@ -53,6 +53,7 @@ from mt_parallel.context_parallel import split_sample
 from mt_parallel.expert_parallel import apply_expert_parallel
 from mt_parallel.fsdp import apply_fsdp_to_stages
 from mt_parallel.mesh import build_mesh
+from mt_parallel.parallelize import apply_context_parallel
 from mt_parallel.pipeline_stages import PipelineStage, rank_parameters, split_for_dualpipev
 from mt_parallel.stats import router_stats_reducer
 from mt_train.checkpoint import (
@@ -335,14 +336,17 @@ def _split_for_the_pipeline(
     param_dtype: torch.dtype | None, reshard_after_forward: bool, *, ep_async: bool = True,
 ) -> tuple[PipelineRank, DualPipeVExecutor, ParallelMesh | None]:  # fmt: skip
     """Keeps this rank's DualPipeV stages of the meta-device `model` (with its slice of the
-    experts when ep > 1, sharded by FSDP2 as `parallelize` shards when dp·ep > 1,
-    computing in `param_dtype`), materializes and initializes them alone, as one process
-    would (initialization is a function of the seed and each parameter's name), and builds
-    their executor; returns the mesh when dp·ep > 1. The other stages' layers stay on the
-    meta device: no rank ever holds the whole model."""
-    mesh = build_mesh(dims, env.device.type) if dims.dp * dims.ep > 1 else None
+    experts when ep > 1, context-parallel attention when cp > 1, sharded by FSDP2 as
+    `parallelize` shards when dp·cp·ep > 1, computing in `param_dtype`), materializes and
+    initializes them alone, as one process would (initialization is a function of the
+    seed and each parameter's name), and builds their executor; returns the mesh when
+    dp·cp·ep > 1. The other stages' layers stay on the meta device: no rank ever holds
+    the whole model."""
+    mesh = build_mesh(dims, env.device.type) if dims.dp * dims.cp * dims.ep > 1 else None
     if dims.ep > 1:  # each pipeline of the ep ranks holds its slice of every layer's experts
         apply_expert_parallel(model, mesh.group("ep"), async_comm=ep_async)
+    if dims.cp > 1:  # and of the cp ranks its zigzag chunks of every sequence
+        apply_context_parallel(model, mesh.group("cp"))
     rank = mesh.rank("pp") if mesh else env.rank
     stages = split_for_dualpipev(model, rank, dims.pp)
     if mesh:  # sharded on the meta device, then each rank materializes its shards
@@ -872,9 +876,9 @@ def train_step(
     set_lr(state.optimizer, lr)
     local_tokens = torch.stack([(mb.labels != IGNORE_INDEX).sum() for mb in microbatches])
     pipeline = state.pipeline
-    # Under the pipeline the ranks of a replica hold the same rows: counts and loss sums
-    # are added over the replicas (the dp·ep ranks of distinct rows), not over the world.
-    replicas = state.mesh.group("dp_ep") if pipeline is not None and state.mesh else None
+    # Under the pipeline the ranks of a replica hold the same tokens: counts and loss sums
+    # are added over the replicas (the dp·cp·ep ranks of distinct tokens), not the world.
+    replicas = state.mesh.group("dp_cp_ep") if pipeline is not None and state.mesh else None
     if pipeline is not None and replicas is None:  # one replica: the whole global batch
         global_num_tokens = int(local_tokens.sum())
     else:
