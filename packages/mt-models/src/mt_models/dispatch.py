@@ -71,7 +71,7 @@ class LocalDispatcher:
         Returns:
             ``(tokens_RD, tokens_per_expert_E, handle)``.
         """
-        _check_top_k(routed, "dispatch")
+        check_top_k(routed, "LocalDispatcher.dispatch")
         plan = plan_dispatch(routed.topk_ids_TK, self.num_experts)
         tokens_RD = permute(routed.hidden_TD, plan)  # [R, D]
         return (
@@ -107,13 +107,14 @@ class LocalDispatcher:
         if forward_tokens is None:
             tokens_RD, tokens_per_expert_E, handle = self.dispatch(routed)
             return self.combine(experts(tokens_RD, tokens_per_expert_E), handle)
-        _check_top_k(routed, "run_experts")
+        check_top_k(routed, "LocalDispatcher.run_experts")
         plan = plan_dispatch(routed.topk_ids_TK, self.num_experts)
         return forward_tokens(routed.hidden_TD, LocalRoute(plan, routed.topk_weights_TK))
 
 
-def _check_top_k(routed: Routed, method: str) -> None:
-    """Raises ValueError unless `routed` is an MoE layer's (top-k ids and weights set)."""
+def check_top_k(routed: Routed, caller: str) -> None:
+    """Raises ValueError, naming `caller` (a dispatcher's method), unless `routed` is an MoE
+    layer's attend output (top-k ids and weights set)."""
     ids_TK, weights_TK = routed.topk_ids_TK, routed.topk_weights_TK
     if ids_TK is None or weights_TK is None:
         given = (
@@ -121,6 +122,6 @@ def _check_top_k(routed: Routed, method: str) -> None:
             f"topk_weights_TK {'None' if weights_TK is None else 'set'}"
         )
         raise ValueError(
-            f"LocalDispatcher.{method}: routed has no top-k ({given}): it is a dense "
+            f"{caller}: routed has no top-k ({given}): it is a dense "
             "layer's attend output, which skips dispatch (layer.experts(routed.hidden_TD, None))"
         )

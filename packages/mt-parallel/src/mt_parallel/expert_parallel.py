@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from mt_models import Routed
+from mt_models.dispatch import check_top_k
 from mt_models.layers.experts import GroupedExperts
 from mt_ops import DispatchPlan, permute, plan_dispatch, unpermute
 from mt_parallel.dims import check_ep_divides_experts
@@ -246,17 +247,8 @@ class ExpertParallelDispatcher:
         Returns:
             `(tokens_RD, tokens_per_expert_e, handle)` for the local experts.
         """
+        check_top_k(routed, "ExpertParallelDispatcher.dispatch")
         ids_TK, weights_TK = routed.topk_ids_TK, routed.topk_weights_TK
-        if ids_TK is None or weights_TK is None:
-            given = (
-                f"topk_ids_TK {'None' if ids_TK is None else 'set'}, "
-                f"topk_weights_TK {'None' if weights_TK is None else 'set'}"
-            )
-            raise ValueError(
-                f"ExpertParallelDispatcher.dispatch: routed has no top-k ({given}): "
-                "pass an MoE layer's attend output; a dense layer runs its experts without "
-                "dispatch"
-            )
         num_tokens = ids_TK.shape[0]
         # The deduplicated send mask and per-rank counts come from mt-ops's planning kernels.
         source = plan_dispatch(ids_TK, self.num_experts, num_ranks=self.ep)
