@@ -214,3 +214,26 @@ def test_pp2_with_dp2_cp2_or_ep2_trains_saves_and_resumes_as_one_process_does(
         for key in sorted(compared - {"optim/step"}):
             error = rel_err(tensors[key], ref_tensors[key])
             assert error <= TENSOR_TOLERANCE, f"{run}: {key} differs by {error:.2e} (relative)"
+
+
+# bf16 mixed precision on the CPU (FSDP2 gathers bf16 parameters, reduces in fp32), 6 layers
+# and 6 micro-batches of 2 sequences, 3 steps.
+BF16 = ["training.dtype=bfloat16", "training.device=cpu", "model.num_hidden_layers=6",
+        "training.global_batch_size=12", "training.micro_batch_size=2",
+        "training.max_steps=3"]  # fmt: skip
+
+
+def _bf16_run(run_dir: str, *layout: str) -> None:
+    pretrain(_cfg(Path(run_dir), *BF16, *layout))
+
+
+@pytest.mark.slow
+def test_pp3_dp2_in_bf16_mixed_precision_gives_the_dp2_losses_bit_for_bit(tmp_path, monkeypatch):
+    # At pp = 3 DualPipeV flushes weight gradients back to back, with no backward between
+    # them: each flush must reach FSDP2's fp32 accumulator, or they add up in bf16 first
+    # (the losses then differ from step 2 on).
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
+    spawn(_bf16_run, 2, str(tmp_path / "dp2"), "parallel.dp=2")
+    spawn(_bf16_run, 6, str(tmp_path / "pp3_dp2"), "parallel.pp=3", "parallel.dp=2")
+    want = _losses(tmp_path / "dp2")
+    assert len(want) == 3 and _losses(tmp_path / "pp3_dp2") == want

@@ -9,11 +9,13 @@ of that mean, for expert and non-expert parameters alike (ARCHITECTURE.md §5).
 Under DualPipeV (:func:`apply_fsdp_to_stages`) each of a rank's two stages is a root of
 its own. A pipeline step runs many backward passes, and the weight gradients of the
 deferrable linears arrive after them (zero bubble), so the reduction is held for the
-whole step (:func:`hold_gradient_reduction`: gradients accumulate, unsharded, in the
-gathered parameters, which stay gathered) and run once at its end
+whole step (:func:`hold_gradient_reduction`: gradients accumulate unsharded, in FSDP2's
+accumulator, and the parameters stay gathered after each backward) and run once at its end
 (:func:`reduce_held_gradients`), as ``torch.distributed.pipelining`` does for its
 zero-bubble schedules: FSDP2 has no public call for "reduce now", so both reach into the
-same state that pipelining's stage does.
+same state that pipelining's stage does. After each flush of deferred weight gradients,
+:func:`fold_held_gradients` moves them into FSDP2's accumulator (fp32 under mixed
+precision), as a backward pass would.
 """
 
 from __future__ import annotations
@@ -124,11 +126,25 @@ def apply_fsdp_to_stages(
 
 def hold_gradient_reduction(root: FSDPModule) -> None:
     """Until :func:`reduce_held_gradients`, the backward passes through `root` (an FSDP2
-    root and everything sharded under it) accumulate unsharded gradients and keep the
-    parameters gathered, reducing nothing."""
+    root and everything sharded under it) accumulate unsharded gradients and leave the
+    parameters gathered (a later forward may still reshard a layer that reshards after
+    forward), reducing nothing."""
     root.set_is_last_backward(False)
     root.set_reshard_after_backward(False)
     root.set_requires_gradient_sync(False)
+
+
+def fold_held_gradients(root: FSDPModule) -> None:
+    """Moves the gradients written into `root`'s gathered parameters' ``.grad`` since the
+    last backward pass (by deferred weight-gradient GEMMs) into FSDP2's accumulator, in the
+    reduce dtype, as a backward pass under :func:`hold_gradient_reduction` does. Without it,
+    consecutive flushes with no backward between them (DualPipeV at pp >= 3) would add up
+    in the parameters' dtype, bf16 under mixed precision, before the fp32 accumulator."""
+    for state in fully_shard.state(root)._state_ctx.all_states:
+        if state._fsdp_param_group:
+            for fsdp_param in state._fsdp_param_group.fsdp_params:
+                fsdp_param.accumulate_unsharded_grad_if_needed()
+                fsdp_param.to_accumulated_grad_if_needed()
 
 
 def reduce_held_gradients(root: FSDPModule) -> None:

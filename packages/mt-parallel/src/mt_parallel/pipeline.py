@@ -118,7 +118,11 @@ from mt_parallel.dualpipev import (
     stage_of,
     stage_rank,
 )
-from mt_parallel.fsdp import hold_gradient_reduction, reduce_held_gradients
+from mt_parallel.fsdp import (
+    fold_held_gradients,
+    hold_gradient_reduction,
+    reduce_held_gradients,
+)
 from mt_parallel.pipeline_comm import ACTIVATION, GRADIENT, Message, message_plan
 from mt_parallel.pipeline_stages import PipelineStage
 from mt_parallel.schedule import LossSums, MicroBatch, StepResult
@@ -435,6 +439,8 @@ class DualPipeVExecutor:
             raise RuntimeError(f"rank {self.rank}: W{chunk}[{mb}] without a pending F/B "
                                "(run twice, or before its forward)")  # fmt: skip
         self.weight_flushes.append((chunk, mb, queue.flush()))
+        if isinstance(self.stages[chunk], FSDPModule):  # into FSDP2's (fp32) accumulator
+            fold_held_gradients(self.stages[chunk])
 
     def _specs(self, kind: int, stage: int, mb: int, step: _Step) -> list:
         """Shapes and dtypes of a message to `stage` (on this rank): hidden states and stats."""
