@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -38,11 +39,12 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from mt_data import default_corpus_dir
 from mt_models import base
+from mt_parallel import ParallelDims
 from mt_parallel.testing import rel_err, spawn
 from mt_train.checkpoint import checkpoint_root, latest_checkpoint
 from mt_train.overrides import resolve_config
 from mt_train.recipes import get_recipe
-from mt_train.train import TrainState, pretrain
+from mt_train.train import TrainState, check_pipeline_sharding, pretrain
 
 RUN = [
     "model.num_hidden_layers=4", "data.seq_len=32", "training.global_batch_size=4",
@@ -237,3 +239,17 @@ def test_pp3_dp2_in_bf16_mixed_precision_gives_the_dp2_losses_bit_for_bit(tmp_pa
     spawn(_bf16_run, 6, str(tmp_path / "pp3_dp2"), "parallel.pp=3", "parallel.dp=2")
     want = _losses(tmp_path / "dp2")
     assert len(want) == 3 and _losses(tmp_path / "pp3_dp2") == want
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_tied_model_is_refused_when_fsdp2_would_shard_its_pipeline(world_size):
+    tied = SimpleNamespace(tie_word_embeddings=True)
+    dims = ParallelDims(world_size=world_size, pp=2)  # dp = -1 fills the world
+    if world_size == 2:  # the pipeline alone: nothing sharded
+        check_pipeline_sharding(dims, tied)
+        return
+    rule = (r"tie_word_embeddings=true with parallel.pp=2 and dp\*cp\*ep = 2\*1\*1 = 2: "
+            r".* set model.tie_word_embeddings=false")
+    with pytest.raises(ValueError, match=rule):
+        check_pipeline_sharding(dims, tied)
+    check_pipeline_sharding(dims, SimpleNamespace(tie_word_embeddings=False))

@@ -107,8 +107,8 @@ def apply_fsdp_to_stages(
         raise ValueError(
             f"both stages of this rank hold {names} (tied input and output embeddings, "
             "which put stage 0 and the last stage on pipeline rank 0): FSDP2 cannot shard "
-            "one parameter under two roots; use an untied model (tie_word_embeddings=False) "
-            "with pipeline and data parallelism, or parallel.dp=1"
+            "one parameter under two roots; use an untied model (tie_word_embeddings=False), "
+            "or leave the pipeline's stages unsharded (dp = cp = ep = 1)"
         )
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for stage in stages:
@@ -122,6 +122,14 @@ def apply_fsdp_to_stages(
             )
         fully_shard(stage, mesh=mesh.dense, mp_policy=policy, reshard_after_forward=False)
         _sum_reductions(stage)
+
+
+def fsdp_param_dtype(module: nn.Module) -> torch.dtype | None:
+    """The ``param_dtype`` of `module`'s FSDP2 mixed precision (None: not an FSDP2 root, or
+    computing in the stored dtype)."""
+    if not isinstance(module, FSDPModule):
+        return None
+    return fully_shard.state(module)._mp_policy.param_dtype
 
 
 def hold_gradient_reduction(root: FSDPModule) -> None:

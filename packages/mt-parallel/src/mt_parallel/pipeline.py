@@ -120,6 +120,7 @@ from mt_parallel.dualpipev import (
 )
 from mt_parallel.fsdp import (
     fold_held_gradients,
+    fsdp_param_dtype,
     hold_gradient_reduction,
     reduce_held_gradients,
 )
@@ -203,8 +204,9 @@ class DualPipeVExecutor:
         stats_reducer: makes one layer's router statistics those of the whole micro-batch
             (``partial(reduce_router_stats, ...)`` over the dp replicas; None: this
             replica's are the whole micro-batch's).
-        activation_dtype: dtype of the hidden states between stages (None: the parameters'
-            dtype; FSDP2 mixed precision computes in its ``param_dtype``).
+        activation_dtype: dtype of the hidden states between stages (None: the FSDP2
+            ``param_dtype`` the stages compute in when they are sharded with one, else
+            the parameters' dtype).
 
     Attributes:
         weight_flushes: per ``BackwardWeight`` (or ``Backward``) of the last step, in order,
@@ -233,7 +235,8 @@ class DualPipeVExecutor:
             make_weight_grads_deferrable(stage)  # (a no-op on linears already swapped)
         param = next(stages[0].parameters())
         self.device = param.device
-        self.dtype = activation_dtype or param.dtype  # of the hidden states
+        # The hidden states' dtype: what the stages compute in.
+        self.dtype = activation_dtype or fsdp_param_dtype(stages[0]) or param.dtype
         if pp > 1:  # every rank joins the communicator before the first batched P2P
             dist.all_reduce(torch.zeros(1, device=self.device), group=group)
         self.weight_flushes: list[tuple[int, int, int]] = []

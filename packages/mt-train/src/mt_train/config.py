@@ -316,6 +316,8 @@ class ParallelConfig:
         grad_reduce: "microbatch" reduce-scatters FSDP2 gradients after every micro-batch
             (sharded gradient memory); "step" once per step, after the last micro-batch
             (less traffic; holds the rank's unsharded gradients between micro-batches).
+            With pp > 1 the pipeline always reduces once per step (its weight gradients
+            arrive after the backward passes), whatever this says.
     """
 
     pp: int = 1

@@ -253,6 +253,7 @@ def setup(cfg: JobConfig) -> TrainState:
     env = init_distributed(device_type, cfg.parallel.timeout_s)
     par = cfg.parallel
     dims = ParallelDims(world_size=env.world_size, pp=par.pp, dp=par.dp, cp=par.cp, ep=par.ep)
+    check_pipeline_sharding(dims, cfg.model)
     dims.validate_model(
         num_experts=getattr(cfg.model, "num_experts", 1),
         num_heads=cfg.model.num_attention_heads,
@@ -331,6 +332,21 @@ def setup(cfg: JobConfig) -> TrainState:
     return state
 
 
+def check_pipeline_sharding(dims: ParallelDims, model_config: Any) -> None:
+    """Raises on every rank, before anything is built, when FSDP2 would shard a pipeline
+    whose rank 0 holds a tied embedding in both its stages (dp·cp·ep > 1 shards them; the
+    config cannot tell, as dp = -1 fills the world)."""
+    sharded = dims.dp * dims.cp * dims.ep
+    if dims.pp > 1 and sharded > 1 and getattr(model_config, "tie_word_embeddings", False):
+        raise ValueError(
+            f"model.tie_word_embeddings=true with parallel.pp={dims.pp} and dp*cp*ep = "
+            f"{dims.dp}*{dims.cp}*{dims.ep} = {sharded}: FSDP2 shards the pipeline's stages "
+            "whenever dp*cp*ep > 1, and pipeline rank 0's two stages (the embedding's and "
+            "the head's) would hold the tied weight under two roots; set "
+            "model.tie_word_embeddings=false, or run the pipeline alone (a world of pp ranks)"
+        )
+
+
 def _split_for_the_pipeline(
     model: torch.nn.Module, dims: ParallelDims, env: Env, seed: int,
     param_dtype: torch.dtype | None, reshard_after_forward: bool, *, ep_async: bool = True,
@@ -356,10 +372,10 @@ def _split_for_the_pipeline(
     for stage in stages:
         stage.to_empty(device=env.device)
     model.init_weights(seed, skip_meta=True)
+    # (Sharded, the stages compute in param_dtype: the executor reads it off FSDP2.)
     executor = DualPipeVExecutor(
         stages, rank, dims.pp, mesh.group("pp") if mesh else None,
         stats_reducer=router_stats_reducer(mesh) if mesh else None,
-        activation_dtype=param_dtype if mesh else None,
     )  # fmt: skip
     return PipelineRank(model, stages), executor, mesh
 
