@@ -175,7 +175,7 @@ PP2_DP2 = [*PP2, "parallel.dp=2", *DP2]
 
 def _on_four_ranks(root: str) -> None:
     root = Path(root)
-    state = _initializing_own_stages_only(root / "pp2_dp2", *PP2_DP2)
+    state = _initializing_own_stages_only(root / "pp2_dp2", *PP2_DP2, "checkpoint.async_save=true")
     assert len(state.losses) == 4
     assert state.pipeline is not None and (state.dims.pp, state.dims.dp) == (2, 2)
     state = pretrain(_cfg(root / "pp1_then_pp2_dp2", *PP2_DP2))
