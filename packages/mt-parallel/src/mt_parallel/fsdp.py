@@ -97,7 +97,8 @@ def apply_fsdp_to_stages(
     root of its own (its embedding, final norm and head).
 
     Args:
-        stages: the rank's (chunk 0, chunk 1), materialized and initialized.
+        stages: the rank's (chunk 0, chunk 1), on the meta device (materialized and
+            initialized afterwards, as ``parallelize`` does) or materialized.
         mesh: the run's mesh (its pp axis separates the pipelines; the others shard).
         param_dtype, reduce_dtype, reshard_after_forward: as for :func:`apply_fsdp`.
     """

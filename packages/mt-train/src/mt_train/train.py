@@ -5,15 +5,16 @@ One step: take the rank's slice of the next global batch, run the micro-batch sc
 the global gradient norm, check that loss and gradients are finite, step AdamW, log
 metrics, and save a checkpoint every `checkpoint.interval` steps and at the end.
 
-With ``parallel.pp`` > 1 (world_size = pp·dp) every rank builds the model on the meta
-device, keeps its two DualPipeV stages (`PipelineRank`), shards them with FSDP2 over the
-dp replicas when dp > 1, materializes and initializes them alone (with the values one
-process gives them; the other stages never leave the meta device and are dropped once
-setup is done), and optimizes and checkpoints only their parameters, under the model's
-canonical names (a checkpoint is the same whatever the layout). The ranks of a replica
-read its rows of every micro-batch and run them through `DualPipeVExecutor`; token counts
-and loss sums are added over the replicas, and the gradient norm over every rank, each
-gradient element living on one rank.
+With ``parallel.pp`` > 1 (world_size = pp·dp·cp·ep) every rank builds the model on the
+meta device (its slice of the experts under ep, context-parallel attention under cp),
+keeps its two DualPipeV stages (`PipelineRank`), shards them with FSDP2 when dp·cp·ep > 1,
+materializes and initializes them alone (with the values one process gives them; the
+other stages never leave the meta device and are dropped once setup is done), and
+optimizes and checkpoints only their parameters, under the model's canonical names (a
+checkpoint is the same whatever the layout). The ranks of a pipeline read the same tokens
+of every micro-batch and run them through `DualPipeVExecutor`; token counts and loss sums
+are added over the pipelines (the dp·cp·ep ranks of distinct tokens), and the gradient
+norm over every rank, each gradient element living on one rank.
 """
 
 from __future__ import annotations
