@@ -312,6 +312,15 @@ def test_pp2_dp2_fsdp_matches_one_process_over_four_ranks():
 
 
 @pytest.mark.slow
+def test_pp2_cp2_matches_one_process_over_four_ranks():
+    # Each pipeline holds 2 of every sequence's 4 zigzag chunks (global positions); the
+    # attention exchanges keys and values across the two pipelines.
+    cases = [(_qwen3(5, **VARIANTS["sequence_per_layer_z"]),
+              {"num_micro_batches": 4, **SHAPES, "cp": 2})]  # fmt: skip
+    spawn(check_dualpipev_cases, 4, cases, untagged=True, timeout_s=TIMEOUT_S)
+
+
+@pytest.mark.slow
 def test_pp2_ep2_matches_one_process_over_four_ranks():
     # Each pipeline holds 4 of the 8 experts of every MoE layer and reads 2 of a
     # micro-batch's 4 rows; the layers' all-to-alls meet across the two pipelines.

@@ -19,10 +19,12 @@ import torch
 import torch.distributed as dist
 
 from mt_models import build_model
+from mt_parallel.context_parallel import zigzag_ranges
 from mt_parallel.dims import ParallelDims
 from mt_parallel.expert_parallel import apply_expert_parallel
 from mt_parallel.fsdp import apply_fsdp_to_stages
 from mt_parallel.mesh import build_mesh
+from mt_parallel.parallelize import apply_context_parallel
 from mt_parallel.pipeline import DualPipeVExecutor
 from mt_parallel.pipeline_stages import rank_parameters, split_for_dualpipev
 from mt_parallel.schedule import MicroBatch, run_microbatches
@@ -99,6 +101,14 @@ def _rows(mb: MicroBatch, index: int, parts: int) -> MicroBatch:
     return MicroBatch(mb.input_ids[rows], mb.labels[rows], positions)
 
 
+def _zigzag(mb: MicroBatch, cp: int, cp_rank: int) -> MicroBatch:
+    """CP rank `cp_rank`'s zigzag columns of a micro-batch, with their global positions."""
+    ranges = zigzag_ranges(mb.input_ids.shape[1], cp, cp_rank)
+    cols = torch.cat([torch.arange(start, end - 1) for start, end in ranges])
+    cols = cols.to(mb.input_ids.device)
+    return MicroBatch(mb.input_ids[:, cols], mb.labels[:, cols], cols)
+
+
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
     """A gradient as one tensor on the CPU (an FSDP2 shard gathered: a collective)."""
     full = getattr(tensor, "full_tensor", None)
@@ -108,7 +118,7 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
 def compare_dualpipev(
     model_config: Any, *, num_micro_batches: int, rows: int, seq_len: int, seed: int = 0,
     grad_tol: float, loss_tol: float, packed: bool = False, device: str = "cpu", dp: int = 1,
-    ep: int = 1,
+    ep: int = 1, cp: int = 1,
 ) -> dict[str, float]:  # fmt: skip
     """Asserts that one DualPipeV step reproduces ``run_microbatches`` on one process.
 
@@ -139,31 +149,38 @@ def compare_dualpipev(
             experts (sharded on the meta device, as mt-train's pretrain builds them) and
             reads its own rows; its expert gradients are compared with the reference's
             slice.
+        cp: context-parallel ranks: each pipeline holds zigzag chunks of every sequence
+            (context-parallel attention swapped in on the meta device); not with packed.
 
     Returns:
         The worst relative errors seen.
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
-    pp = world // (dp * ep)
+    pp = world // (dp * cp * ep)
     if device == "cuda":
         device = f"cuda:{torch.cuda.current_device()}"
-    group, dp_group, reducer, dp_rank, ep_rank = None, None, None, 0, 0
+    group, dp_group, reducer, dp_rank, ep_rank, cp_rank = None, None, None, 0, 0, 0
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if dp * ep > 1:
-        dims = ParallelDims(world_size=world, pp=pp, dp=dp, ep=ep)
+    if dp * cp * ep > 1:
+        dims = ParallelDims(world_size=world, pp=pp, dp=dp, cp=cp, ep=ep)
         mesh = build_mesh(dims, torch.device(device).type)
         rank, dp_rank, ep_rank = mesh.rank("pp"), mesh.batch_rank, mesh.rank("ep")
-        group, dp_group = mesh.group("pp"), mesh.group("dp_ep")
+        cp_rank = mesh.rank("cp")
+        group, dp_group = mesh.group("pp"), mesh.group("dp_cp_ep")  # ranks of distinct tokens
         reducer = router_stats_reducer(mesh)
     mbs = _micro_batches(model_config.vocab_size, num_micro_batches, rows, seq_len, seed, packed)
     mbs = [_to(mb, device) for mb in mbs]
     num_tokens = sum(int((mb.labels != -100).sum()) for mb in mbs)
     reference = _build(model_config, seed, device)
     want = run_microbatches(reference, mbs, num_tokens)
-    if ep > 1:  # experts sliced on the meta device, the rank's stages materialized alone
+    if ep * cp > 1:  # experts or sequences sliced on the meta device, stages materialized alone
+        assert not (packed and cp > 1), "context parallelism masks by global position only"
         with torch.device("meta"):
             model = build_model(model_config)
-        apply_expert_parallel(model, mesh.group("ep"), async_comm=False)
+        if ep > 1:
+            apply_expert_parallel(model, mesh.group("ep"), async_comm=False)
+        if cp > 1:
+            apply_context_parallel(model, mesh.group("cp"))
         stages = split_for_dualpipev(model, rank, pp)
         apply_fsdp_to_stages(stages, mesh)
         for stage in stages:
@@ -176,16 +193,18 @@ def compare_dualpipev(
             apply_fsdp_to_stages(stages, mesh)
     executor = DualPipeVExecutor(stages, rank, pp, group, stats_reducer=reducer)
     mine_mbs = [_rows(mb, dp_rank, dp * ep) for mb in mbs]
+    if cp > 1:
+        mine_mbs = [_zigzag(mb, cp, cp_rank) for mb in mine_mbs]
     where = f"rank {rank} of pp={pp}"
-    if dp * ep > 1:
-        where += f", batch rank {dp_rank} of dp*ep={dp * ep}"
+    if dp * cp * ep > 1:
+        where += f", batch rank {dp_rank} of dp*ep={dp * ep}, cp rank {cp_rank} of {cp}"
     worst = {"loss": 0.0, "aux": 0.0, "grad": 0.0}
     ref_params = dict(reference.named_parameters())
     mine = dict(rank_parameters(stages))
     first: dict[str, torch.Tensor] = {}
     for step in range(2):
         got = executor.step(mine_mbs, num_tokens)
-        if dp * ep > 1:  # each replica's sums: added up
+        if dp * cp * ep > 1:  # each pipeline's sums: added up
             sums = torch.stack([got.ce_sum.double(), got.num_tokens.double()])
             dist.all_reduce(sums, group=dp_group)
             got = dataclasses.replace(got, ce_sum=sums[0], num_tokens=sums[1].round().long())
