@@ -204,9 +204,6 @@ class DualPipeVExecutor:
         stats_reducer: makes one layer's router statistics those of the whole micro-batch
             (``partial(reduce_router_stats, ...)`` over the dp replicas; None: this
             replica's are the whole micro-batch's).
-        activation_dtype: dtype of the hidden states between stages (None: the FSDP2
-            ``param_dtype`` the stages compute in when they are sharded with one, else
-            the parameters' dtype).
 
     Attributes:
         weight_flushes: per ``BackwardWeight`` (or ``Backward``) of the last step, in order,
@@ -217,7 +214,6 @@ class DualPipeVExecutor:
         self, stages: tuple[PipelineStage, PipelineStage], rank: int, pp: int,
         group: dist.ProcessGroup | None = None, *,
         stats_reducer: Callable[[RouterStats], RouterStats] | None = None,
-        activation_dtype: torch.dtype | None = None,
     ) -> None:  # fmt: skip
         for chunk, stage in enumerate(stages):
             if stage.stage != stage_of(rank, chunk, pp) or stage.num_stages != 2 * pp:
@@ -235,8 +231,9 @@ class DualPipeVExecutor:
             make_weight_grads_deferrable(stage)  # (a no-op on linears already swapped)
         param = next(stages[0].parameters())
         self.device = param.device
-        # The hidden states' dtype: what the stages compute in.
-        self.dtype = activation_dtype or fsdp_param_dtype(stages[0]) or param.dtype
+        # The hidden states' dtype: what the stages compute in (FSDP2's param_dtype when they
+        # are sharded with one, else the parameters' dtype).
+        self.dtype = fsdp_param_dtype(stages[0]) or param.dtype
         if pp > 1:  # every rank joins the communicator before the first batched P2P
             dist.all_reduce(torch.zeros(1, device=self.device), group=group)
         self.weight_flushes: list[tuple[int, int, int]] = []
