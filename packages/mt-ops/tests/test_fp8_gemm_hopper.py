@@ -1,11 +1,12 @@
-"""The Hopper (Gluon) FP8 GEMM kernels compile for sm_90a on a machine without a GPU.
+"""The Gluon kernels (Hopper FP8 GEMMs, dual quantizer) compile for sm_90a without a GPU.
 
-The GPU tests in test_fp8_gemm.py run them on the H200 against the Triton kernels, bit for
-bit; CI has no GPU, so here every variant is compiled (Triton's pipeline down to ptxas, with
-a stand-in driver that names an sm_90 target) and checked for the invariants whose breakage
-hangs or refuses the launch instead of failing a comparison: the shared memory fits the
-H200, each stage's mbarrier expects exactly the bytes its TMA loads bring, and the
-registers are split between the consumer warpgroups and the loader warp.
+The GPU tests in test_fp8_gemm.py and test_fp8_quant.py run them on the H200 against the
+Triton kernels and the references, bit for bit; CI has no GPU, so here every variant is
+compiled (Triton's pipeline down to ptxas, with a stand-in driver that names an sm_90
+target) and checked for the invariants whose breakage hangs or refuses the launch instead
+of failing a comparison: the shared memory fits the H200, each stage's mbarrier expects
+exactly the bytes its TMA loads bring, and the registers are split between the consumer
+warpgroups and the loader warp; and for the quantizer, the layout property it exists for.
 """
 
 import re
@@ -16,7 +17,8 @@ import pytest
 import torch
 
 import mt_ops.fp8_gemm_hopper as hopper
-from mt_ops.fp8_quant import Fp8Quantized, row_tiles
+import mt_ops.fp8_quant_gluon as quant_gluon
+from mt_ops.fp8_quant import QUANT_CONFIG, Fp8Quantized, _launch_1x128, row_tiles
 
 triton = pytest.importorskip("triton")
 
@@ -57,6 +59,7 @@ def compiled(monkeypatch):
         results.append((kernel.fn.__name__, flags, kernel.warmup(*args, grid=grid, **kwargs)))
 
     monkeypatch.setattr(hopper, "_launch", compile_only)
+    monkeypatch.setattr(quant_gluon, "_launch", compile_only)
     monkeypatch.setattr(hopper, "num_sms", lambda device: 132)
     previous = driver._active  # None until first used; reset_active() would build a CUDA one
     driver.set_active(_Sm90Driver())
@@ -64,7 +67,9 @@ def compiled(monkeypatch):
         yield results
     finally:
         driver.set_active(previous)
-        for kernel in (hopper._grouped_gemm_kernel, hopper._grouped_wgrad_kernel):
+        for kernel in (
+            hopper._grouped_gemm_kernel, hopper._grouped_wgrad_kernel, quant_gluon._dual_kernel
+        ):
             kernel.device_caches.clear()  # nothing compiled for the stand-in is launched
 
 
@@ -86,9 +91,9 @@ def test_every_variant_compiles_for_sm90_within_its_limits(compiled):
         out = torch.empty(rows, n_dim, dtype=out_dtype)
         hopper.grouped_gemm(a, b, tiles, out)
         hopper.grouped_gemm(a, b, tiles, out, second=(a, b))
-    cols = 128 * tiles.num_tiles
-    a_t = Fp8Quantized(torch.zeros(n_dim, cols, dtype=fp8), torch.ones(tiles.num_tiles, n_dim))
-    b_t = Fp8Quantized(torch.zeros(k_dim, cols, dtype=fp8), torch.ones(tiles.num_tiles, k_dim))
+    num_tiles = tiles.num_tiles
+    a_t = Fp8Quantized(torch.zeros(num_tiles, n_dim, 128, dtype=fp8), torch.ones(num_tiles, n_dim))
+    b_t = Fp8Quantized(torch.zeros(num_tiles, k_dim, 128, dtype=fp8), torch.ones(num_tiles, k_dim))
     hopper.grouped_wgrad(
         a_t, b_t, tiles, torch.empty(groups, n_dim, k_dim, dtype=torch.bfloat16), False
     )
@@ -107,3 +112,26 @@ def test_every_variant_compiles_for_sm90_within_its_limits(compiled):
         assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
         if flags.get("TMA_STORE"):
             assert "cp.async.bulk.tensor.2d.global.shared" in ptx  # the epilogue's TMA stores
+
+
+def test_dual_quantizer_compiles_for_sm90_without_byte_wide_shared_memory_traffic(
+    compiled, monkeypatch
+):
+    # The launcher routes CUDA tensors on an sm_90 device here; CPU tensors stand in.
+    monkeypatch.setattr(quant_gluon, "supported", lambda x: True)
+    assert QUANT_CONFIG["dual_gluon"]
+    x = torch.zeros(1000, 384, dtype=torch.bfloat16)
+    tiles = row_tiles(torch.tensor([600, 0, 400]), 1000)
+    source_rows = torch.zeros(1000, dtype=torch.int64)
+    for scale_format in ("fp32", "e8m0"):
+        _launch_1x128(x, None, True, True, scale_format)
+        _launch_1x128(x, tiles, True, True, scale_format, source_rows, torch.ones(1000))
+    assert len(compiled) == 4
+    for name, flags, kernel in compiled:
+        assert name == "_dual_kernel"
+        ptx = kernel.asm["ptx"]
+        assert "cvt.rn.satfinite.e4m3x2.f32" in ptx  # the in-register packing
+        # The reason for the kernel: no fp8 bytes move through shared memory one at a time
+        # (Triton's kernel: 156 such stores per warp and tile), only the column maxima.
+        assert "st.shared.b8" not in ptx and "st.shared.u8" not in ptx, flags
+        assert kernel.metadata.shared <= 4096, (flags, kernel.metadata.shared)

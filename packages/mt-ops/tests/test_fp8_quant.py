@@ -123,7 +123,7 @@ def test_dual_kernel_matches_reference_scales_exactly_in_interpreter(
     assert torch.equal(scale_to_float(cols.scale), scale_to_float(ref_cols.scale))
     assert fp8_mostly_equal(rows.data, ref_rows.data)
     assert fp8_mostly_equal(cols.data, ref_cols.data)
-    assert cols.data.shape == (shape[1], 128 * cols.scale.shape[0])
+    assert cols.data.shape == (cols.scale.shape[0], shape[1], 128)  # tile-major [T, K, 128]
 
 
 def test_dual_kernel_gathers_and_weights_rows_as_a_permute_then_quantize(
@@ -186,8 +186,8 @@ def test_transposed_quantization_dequantizes_to_x_transposed_per_expert_tiles(se
     assert xt.shape == (130, 261)
     torch.testing.assert_close(xt, x.T, rtol=2**-4, atol=1e-4)  # atol: fp8 subnormals
     if segmented:  # a tile never mixes experts: row 99's tile ends at row 99
-        tile_cols = cols.data.float()[:, 0:128]
-        assert torch.all(tile_cols[:, 100:] == 0)
+        first_tile = cols.data.float()[0]  # [K, 128]
+        assert torch.all(first_tile[:, 100:] == 0)
 
 
 @pytest.mark.parametrize("scale_format", FORMATS)
@@ -226,7 +226,7 @@ def test_quantizers_accept_any_stride_where_no_neighbour_is_read():
     assert torch.equal(kernel_rows.scale, expected.scale)
     empty = torch.empty_strided((0, 256), (0, 0))
     rows, cols = quantize_1x128_dual(empty)
-    assert rows.data.shape == (0, 256) and cols.data.shape == (256, 0)
+    assert rows.data.shape == (0, 256) and cols.data.shape == (0, 256, 128)
     with pytest.raises(ValueError, match="contiguous last dim"):
         quantize_1x128(torch.randn(8, 256)[:, ::2])
 

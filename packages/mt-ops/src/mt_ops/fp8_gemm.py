@@ -8,8 +8,8 @@ Three products cover a linear layer's training step (y = x Wᵀ):
 - fprop ``y = x Wᵀ`` and dgrad ``dx = dy W``: A is 1×128-quantized by rows, B is a
   128×128-quantized weight ([N, K]; for dgrad the weight's quantized transpose);
   :func:`fp8_grouped_gemm` runs G of them over consecutive row groups (experts).
-- wgrad ``dW = dyᵀ x``: both operands are tile-padded transposed 1×128 quantizations
-  (tiles of 128 tokens that restart at each expert), :func:`fp8_grouped_wgrad`.
+- wgrad ``dW = dyᵀ x``: both operands are tile-major transposed 1×128 quantizations
+  ([T, N, 128]: tiles of 128 tokens that restart at each expert), :func:`fp8_grouped_wgrad`.
 
 The semantics are defined by the *emulation*: dequantize exactly (scales are powers of two)
 and multiply in fp32. Kernels accumulate each 128-wide K block on the tensor cores and
@@ -27,10 +27,12 @@ the environment variable ``MT_OPS_FP8_BACKEND``):
 - ``"torch"``: cuBLAS blockwise-scaled ``torch._scaled_mm`` for dense fprop/dgrad with
   K a multiple of 512, once a one-time probe finds that it runs and computes right (on the
   H200, 16384×4096×4096: 1.1 PFLOP/s, 1.67× BF16 and 1.41× our Triton kernel), and for
-  the dense wgrad (one group; both operands 1×128 along the tokens, its own probe; H200,
-  4k-16k tokens: 1.43-1.83× our Triton kernel, e.g. 4096×2048 over 16k in 276 against
-  412 us); our Triton kernels for other dense shapes and for grouped products (PyTorch's
-  grouped FP8 path is rowwise only).
+  the dense wgrad where the Hopper kernels cannot run (one group; both operands 1×128
+  along the tokens, its own probe; cuBLAS reads a side-by-side copy of the tile-major
+  tiles). On the H200 the Hopper wgrad kernel beats it, 4096×2048 over 16k tokens in 289
+  against 508 us (2048×2048: 142 against 302; over 4k: 118 against 147), so there it takes
+  the dense wgrad too. Our Triton kernels serve other dense shapes and grouped products
+  (PyTorch's grouped FP8 path is rowwise only).
 - ``"triton"``: our Triton kernels for everything (on Hopper, the grouped products take the
   warp-specialized Gluon kernels of :mod:`mt_ops.fp8_gemm_hopper`, which compute the same
   bits faster).
@@ -438,14 +440,23 @@ def _scaled_mm_tiles_call(a, sa_KbN, b, sb_KbK, out_dtype):
     return torch._scaled_mm(a, b.T, scale_a=sa_KbN.T, scale_b=sb_KbK, out_dtype=out_dtype)
 
 
+def _tiles_side_by_side(data_TNB: Tensor) -> Tensor:
+    """[T, N, 128] tile-major data as the [N, 128·T] matrix of its tiles side by side."""
+    num_tiles, n_dim, _ = data_TNB.shape
+    return data_TNB.permute(1, 0, 2).reshape(n_dim, num_tiles * BLOCK)
+
+
 def _wgrad_torch(a_t, b_t, out, out_dtype):
     """Dense (one group) wgrad on cuBLAS, or None where the recipe or shape does not fit."""
-    n_dim, k_dim = a_t.data.shape[0], b_t.data.shape[0]
+    n_dim, k_dim = a_t.data.shape[1], b_t.data.shape[1]
     if n_dim % 16 or k_dim % 16 or not _scaled_mm_works(a_t.data.device.index or 0, "1x128,1x128"):
         return None
-    # Unused tile slots hold zeros (scale 1), so the padded contraction adds nothing.
+    # cuBLAS takes [N, 128·T] matrices: the tile-major blocks side by side (a copy of each
+    # operand's fp8 bytes). Unused tile slots hold zeros (scale 1), so the padded
+    # contraction adds nothing.
     result = _scaled_mm_tiles_call(
-        a_t.data, scale_to_float(a_t.scale), b_t.data, scale_to_float(b_t.scale),
+        _tiles_side_by_side(a_t.data), scale_to_float(a_t.scale),
+        _tiles_side_by_side(b_t.data), scale_to_float(b_t.scale),
         torch.float32 if out is not None else out_dtype,
     )  # fmt: skip
     return result.unsqueeze(0) if out is None else out.add_(result)
@@ -609,7 +620,7 @@ WGRAD_TMA_CONFIG = {
 @triton.jit
 def _fp8_grouped_wgrad_kernel(
     a_ptr, a_desc, sa_ptr, b_ptr, b_desc, sb_ptr, c_ptr, group_first_tile_ptr,
-    M_A, N_B, padded_cols,
+    M_A, N_B,
     ACCUMULATE: tl.constexpr, USE_TMA: tl.constexpr, SCALE_E8M0: tl.constexpr,
     UPCAST: tl.constexpr, MAX_IMPRECISE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -627,17 +638,19 @@ def _fp8_grouped_wgrad_kernel(
     rows64 = rows.to(tl.int64)
     cols64 = cols.to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    a_ptrs = a_ptr + rows64[:, None] * padded_cols + first * BLOCK_K + ks[None, :]
-    b_ptrs = b_ptr + cols64[:, None] * padded_cols + first * BLOCK_K + ks[None, :]
+    # Tile t of the operands is the contiguous [M_A, 128] (and [N_B, 128]) block at t.
+    a_ptrs = a_ptr + (first.to(tl.int64) * M_A + rows64[:, None]) * BLOCK_K + ks[None, :]
+    b_ptrs = b_ptr + (first.to(tl.int64) * N_B + cols64[:, None]) * BLOCK_K + ks[None, :]
     for t in range(first, last):
-        if USE_TMA:  # rows past M_A / N_B read as zeros
-            a = a_desc.load([pid_m * BLOCK_M, t * BLOCK_K])
-            b = b_desc.load([pid_n * BLOCK_N, t * BLOCK_K])
+        if USE_TMA:  # the [T·M_A, 128] view; rows past M_A (the next tile's) feed only
+            # output rows (columns) past M_A (N_B), which are not stored
+            a = a_desc.load([t * M_A + pid_m * BLOCK_M, 0])
+            b = b_desc.load([t * N_B + pid_n * BLOCK_N, 0])
         else:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
             b = tl.load(b_ptrs, mask=col_ok[:, None], other=0.0)
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K
+            a_ptrs += M_A * BLOCK_K
+            b_ptrs += N_B * BLOCK_K
         sa = tl.load(sa_ptr + t * M_A + rows, mask=row_ok, other=0)  # scales are [T, M_A]
         sb = tl.load(sb_ptr + t * N_B + cols, mask=col_ok, other=0)
         if SCALE_E8M0:
@@ -658,18 +671,21 @@ def _fp8_grouped_wgrad_kernel(
 def _check_wgrad(
     a_t: Fp8Quantized, b_t: Fp8Quantized, tiles: RowTiles, out: Tensor | None = None
 ) -> None:
-    if a_t.data.dim() != 2 or b_t.data.dim() != 2 or a_t.data.shape[1] != b_t.data.shape[1]:
+    shapes = (tuple(a_t.data.shape), tuple(b_t.data.shape))
+    if a_t.data.dim() != 3 or b_t.data.dim() != 3 or a_t.data.shape[2] != BLOCK or (
+        b_t.data.shape[2] != BLOCK or a_t.data.shape[0] != b_t.data.shape[0]
+    ):
         raise ValueError(
-            f"transposed operands' data shapes ({tuple(a_t.data.shape)}, "
-            f"{tuple(b_t.data.shape)}) must be [N, 128·T] and [K, 128·T]"
+            f"transposed operands' data shapes {shapes} must be the tile-major [T, N, 128] "
+            "and [T, K, 128] of quantize_1x128_dual's transposed halves"
         )
-    if a_t.data.shape[1] != BLOCK * tiles.num_tiles:
+    if a_t.data.shape[0] != tiles.num_tiles:
         raise ValueError(
-            f"transposed data has {a_t.data.shape[1]} columns; tile-padded layout of "
-            f"{tiles.num_tiles} tiles needs {BLOCK * tiles.num_tiles}; quantize with the same tiles"
+            f"transposed data holds {a_t.data.shape[0]} tiles but the row tiles have "
+            f"{tiles.num_tiles}; quantize both operands with the same tiles"
         )
     _check_scale_formats(a_t, b_t)
-    expected = (tiles.group_first_tile_G.numel() - 1, a_t.data.shape[0], b_t.data.shape[0])
+    expected = (tiles.group_first_tile_G.numel() - 1, a_t.data.shape[1], b_t.data.shape[1])
     if out is not None and tuple(out.shape) != expected:
         # The kernel writes [G, N, K] through raw offsets: a smaller out is overrun.
         raise ValueError(
@@ -687,12 +703,12 @@ def fp8_grouped_wgrad(
     out_dtype: torch.dtype = torch.float32,
     backend: str | None = None,
 ) -> Tensor:
-    """``dW[g] = A[rows of g]ᵀ @ B[rows of g]`` from tile-padded transposed FP8 operands.
+    """``dW[g] = A[rows of g]ᵀ @ B[rows of g]`` from tile-major transposed FP8 operands.
 
     Args:
         a_t: Transposed half of :func:`~mt_ops.fp8_quant.quantize_1x128_dual` of the output
-            gradient: data [N, 128·T], scales [T, N].
-        b_t: The same for the layer input: data [K, 128·T], scales [T, K].
+            gradient: tile-major data [T, N, 128], scales [T, N].
+        b_t: The same for the layer input: data [T, K, 128], scales [T, K].
         tiles: The row tiles both were quantized with (G groups).
         out: Optional fp32 [G, N, K] to accumulate into (a weight's ``main_grad``);
             ``out_dtype`` is then unused.
@@ -718,28 +734,32 @@ def fp8_grouped_wgrad(
         if out is None:
             return result.to(out_dtype)
         return out.add_(result)
-    if num_groups == 1 and choice == "torch":
+    n_dim, k_dim = a_t.data.shape[1], b_t.data.shape[1]
+    accumulate = out is not None
+    target = out
+    if out is None:
+        target = torch.empty(num_groups, n_dim, k_dim, dtype=out_dtype, device=a_t.data.device)
+    hopper = target.numel() > 0 and _use_hopper(a_t, b_t, out=target)
+    if num_groups == 1 and choice == "torch" and not hopper:
         result = _wgrad_torch(a_t, b_t, out, out_dtype)
         if result is not None:
             return result
-    n_dim, k_dim = a_t.data.shape[0], b_t.data.shape[0]
-    accumulate = out is not None
-    if out is None:
-        out = torch.empty(num_groups, n_dim, k_dim, dtype=out_dtype, device=a_t.data.device)
-    if out.numel() > 0 and _use_hopper(a_t, b_t, out=out):
+    out = target
+    if hopper:
         return fp8_gemm_hopper.grouped_wgrad(a_t, b_t, tiles, out, accumulate)
     e8m0 = a_t.scale.dtype == torch.float8_e8m0fnu
     sa = a_t.scale.view(torch.uint8) if e8m0 else a_t.scale
     sb = b_t.scale.view(torch.uint8) if e8m0 else b_t.scale
-    use_tma = _use_tma(a_t.data, b_t.data)
+    a_2d, b_2d = a_t.data.view(-1, BLOCK), b_t.data.view(-1, BLOCK)  # [T·N, 128], [T·K, 128]
+    use_tma = _use_tma(a_2d, b_2d)
     cfg = WGRAD_TMA_CONFIG if use_tma else WGRAD_CONFIG
-    a_desc = _descriptor(a_t.data, cfg["BLOCK_M"]) if use_tma else None
-    b_desc = _descriptor(b_t.data, cfg["BLOCK_N"]) if use_tma else None
+    a_desc = _descriptor(a_2d, cfg["BLOCK_M"]) if use_tma else None
+    b_desc = _descriptor(b_2d, cfg["BLOCK_N"]) if use_tma else None
     launch(
         _fp8_grouped_wgrad_kernel,
         (cdiv(n_dim, cfg["BLOCK_M"]), cdiv(k_dim, cfg["BLOCK_N"]), num_groups),
         a_t.data, a_desc, sa, b_t.data, b_desc, sb, out, tiles.group_first_tile_G,
-        n_dim, k_dim, a_t.data.shape[1],
+        n_dim, k_dim,
         ACCUMULATE=accumulate, USE_TMA=use_tma, SCALE_E8M0=e8m0, UPCAST=not a_t.data.is_cuda,
         MAX_IMPRECISE=cfg["MAX_IMPRECISE"], BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         BLOCK_K=BLOCK, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],

@@ -385,8 +385,11 @@ if HAS_GLUON:
             g, first, last = _wgrad_bounds(group_first_ptr, pid, num_m, num_n)
             for t in range(first, last):
                 s, bar = _claim_free_stage(ready, empty, i, nbytes)
-                _load_ab(a_desc, b_desc, pid_m * BLOCK, pid_n * BLOCK_N, t * BLOCK, bar, a_bufs,
-                         b_bufs, s)  # fmt: skip
+                # Tile t of the tile-major operands: rows t·N ... of [T·N, 128] (and of
+                # [T·K, 128]); rows past N (K) belong to the next tile and feed only
+                # output rows (columns) that are not stored.
+                _load_ab(a_desc, b_desc, t * N + pid_m * BLOCK, t * K + pid_n * BLOCK_N, 0, bar,
+                         a_bufs, b_bufs, s)  # fmt: skip
                 # The step's scales: rows of the tile-major [T, N] and [T, K], read flat.
                 tma.async_copy_global_to_shared(sa_desc, [t * N + pid_m * BLOCK], bar,
                                                 sa_bufs.index(s))  # fmt: skip
@@ -529,7 +532,7 @@ def _flat_scale_descriptor(scale: Tensor, block: int):
 def grouped_wgrad(a_t, b_t, tiles, out: Tensor, accumulate: bool) -> Tensor:
     """Writes (or with ``accumulate`` adds to) ``out`` [G, N, K] = Σ tiles Aᵀ Bᵀᵀ; operands as
     in :func:`mt_ops.fp8_gemm.fp8_grouped_wgrad`. The caller checks :func:`supported`."""
-    n_dim, k_dim = a_t.data.shape[0], b_t.data.shape[0]
+    n_dim, k_dim = a_t.data.shape[1], b_t.data.shape[1]
     num_groups = tiles.group_first_tile_G.numel() - 1
     num_m, num_n = triton.cdiv(n_dim, _BLOCK), triton.cdiv(k_dim, _BLOCK_N)
     total = num_groups * num_m * num_n
@@ -537,7 +540,8 @@ def grouped_wgrad(a_t, b_t, tiles, out: Tensor, accumulate: bool) -> Tensor:
     tma_store = not accumulate and out.element_size() == 2 and n_dim % _BLOCK == 0
     _launch(
         _grouped_wgrad_kernel, (num_programs,),
-        _fp8_descriptor(a_t.data, _BLOCK), _fp8_descriptor(b_t.data, _BLOCK_N),
+        _fp8_descriptor(a_t.data.view(-1, _BLOCK), _BLOCK),
+        _fp8_descriptor(b_t.data.view(-1, _BLOCK), _BLOCK_N),
         _flat_scale_descriptor(a_t.scale, _BLOCK), _flat_scale_descriptor(b_t.scale, _BLOCK_N),
         _out_descriptor(out.view(-1, k_dim)), out, tiles.group_first_tile_G,
         n_dim, k_dim, num_m, num_n, num_groups, num_programs,

@@ -25,10 +25,14 @@ kernels read each element once and write fp8 data and scales in the same pass. T
 (fused-transposed) kernel quantizes ``x`` by rows (for fprop/dgrad) *and* ``xᵀ`` by
 128-row tiles (for wgrad, where the tokens are the contraction dim) from one read.
 With ``tiles`` (see :func:`row_tiles`), the transposed tiles restart at each expert's first
-row, so an expert's wgrad never shares a scale with another expert's tokens. The transposed
-data is *tile-padded*: tile ``i`` occupies columns ``[128·i, 128·i + rows of tile i)`` of a
-``[K, 128·T]`` tensor and the rest of its 128 columns hold zeros, so every tile starts on an
-aligned column and the wgrad GEMM loads full 16-byte vectors.
+row, so an expert's wgrad never shares a scale with another expert's tokens.
+
+The transposed data is *tile-major* and *tile-padded*, ``[T, K, 128]``: ``data[i, c]`` holds
+column ``c`` of tile ``i``'s rows, then zeros up to 128, so each tile's block is one
+contiguous ``[K, 128]`` matrix whose rows start 16-byte aligned (the wgrad GEMM loads full
+16-byte vectors, and a program of the dual kernel writes its transposed tile as one
+contiguous block); its scales are ``[T, K]``. See ``QUANT_CONFIG`` for what the layouts
+measured.
 """
 
 from dataclasses import dataclass
@@ -37,6 +41,7 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
+from mt_ops import fp8_quant_gluon
 from mt_ops._counts import check_counts
 from mt_ops._triton import cdiv, launch, tl, triton, use_kernels
 
@@ -217,6 +222,17 @@ def _empty_scales(shape, scale_format: ScaleFormat, device) -> Tensor:
     return torch.empty(shape, dtype=torch.float32, device=device)
 
 
+def _row_scales(num_rows: int, num_cols: int, scale_format: ScaleFormat, device) -> Tensor:
+    """Scales of a 1×128 row quantization: [M, ceil(K/128)]."""
+    return _empty_scales((num_rows, cdiv(num_cols, BLOCK)), scale_format, device)
+
+
+def _transposed_outputs(num_row_tiles: int, num_cols: int, scale_format: ScaleFormat, device):
+    """Data [T, K, 128] and scales [T, K] of a transposed (128-row tile) quantization."""
+    data = torch.empty((num_row_tiles, num_cols, BLOCK), dtype=_FP8, device=device)
+    return data, _empty_scales((num_row_tiles, num_cols), scale_format, device)
+
+
 def _scale_storage(scale: Tensor) -> Tensor:
     return scale.view(torch.uint8) if scale.dtype == torch.float8_e8m0fnu else scale
 
@@ -262,14 +278,14 @@ def _tile_rows(tile_start_ptr, tile_end_ptr, pid_m, num_rows,
 @triton.jit
 def _quantize_store_dual(
     x, rows64, row_ok, cols, col_ok, pid_m, pid_k, q_ptr, s_ptr, qt_ptr, st_ptr,
-    num_cols, num_col_tiles, num_row_tiles,
+    num_cols, num_col_tiles,
     ROWWISE: tl.constexpr, COLWISE: tl.constexpr, E8M0: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TRANS_STORE: tl.constexpr,
 ):  # fmt: skip
     """Quantizes an fp32 [BLOCK_M, 128] tile (rows past the tile end hold 0) and stores it.
 
     ROWWISE: 1×128 scales into q [M, K] / s [M, K/128]. COLWISE: 128×1 scales of the
-    transposed tile into the tile-padded qt [K, 128·T] / st [T, K] (module docstring).
+    transposed tile into the tile-major qt [T, K, 128] / st [T, K] (module docstring).
     """
     mask = row_ok[:, None] & col_ok[None, :]
     if ROWWISE:
@@ -283,15 +299,16 @@ def _quantize_store_dual(
         kc = _pow2_exponent_tl(tl.max(tl.abs(x), axis=0))  # [BLOCK_K]
         inv_c = ((127 - kc) << 23).to(tl.float32, bitcast=True)
         qc = x * inv_c[None, :]
-        # This tile owns columns [128·pid_m, 128·pid_m + 128) of x^T; rows past the tile
+        # This tile owns qt[pid_m]: row c holds column c of the tile; rows past the tile
         # end were loaded as 0 and are written as zero padding.
-        tile_cols = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-        if TRANS_STORE:  # transpose in registers, store rows of x^T
+        tile_rows = tl.arange(0, BLOCK_M)
+        qt_cols = (pid_m.to(tl.int64) * num_cols + cols) * BLOCK_M  # [BLOCK_K]
+        if TRANS_STORE:  # transpose in registers, store rows of qt[pid_m]
             qc_t = tl.trans(qc.to(qt_ptr.dtype.element_ty))  # [BLOCK_K, BLOCK_M]
-            qt_offs = cols[:, None].to(tl.int64) * (num_row_tiles * BLOCK_M) + tile_cols[None, :]
+            qt_offs = qt_cols[:, None] + tile_rows[None, :]
             tl.store(qt_ptr + qt_offs, qc_t, mask=col_ok[:, None])
         else:  # store through transposed offsets; Triton picks the store layout
-            qt_offs = cols[None, :].to(tl.int64) * (num_row_tiles * BLOCK_M) + tile_cols[:, None]
+            qt_offs = qt_cols[None, :] + tile_rows[:, None]
             tl.store(qt_ptr + qt_offs, qc.to(qt_ptr.dtype.element_ty), mask=col_ok[None, :])
         # st is [T, K]: one coalesced row per tile.
         _store_scale(st_ptr, pid_m.to(tl.int64) * num_cols + cols, kc, col_ok, E8M0)
@@ -326,9 +343,13 @@ def _quantize_store_dual(
 # registers (4 programs per SM), 350-640 us. Nsight Compute on the library kernel: 74% SM
 # and 68% memory throughput, 12 warps per SM (163 registers); dropping the ±448 clamps cut
 # its instructions from 20 to 16 per element and left its time unchanged.
+# On Hopper the dual quantization runs the Gluon kernel of mt_ops.fp8_quant_gluon
+# ("dual_gluon"; its docstring has the measurements); the Triton kernel here serves other
+# GPUs, the interpreter on CPU and benchmarks that switch it off. The timings above were
+# taken with the earlier transposed layout ([K, 128·T]).
 QUANT_CONFIG = {
     "rows_block_m": 8, "rows_col_tiles": 8, "rows_warps": 4, "dual_warps": 4,
-    "dual_trans_store": False,
+    "dual_trans_store": False, "dual_gluon": True,
 }  # fmt: skip
 
 
@@ -370,7 +391,7 @@ def _quant_1x128_dual_kernel(
         x = (w[:, None] * x.to(tl.float32)).to(x_ptr.dtype.element_ty)
     _quantize_store_dual(
         x.to(tl.float32), rows64, row_ok, cols, col_ok, pid_m, pid_k, q_ptr, s_ptr, qt_ptr,
-        st_ptr, num_cols, num_col_tiles, num_row_tiles, ROWWISE, True, E8M0, BLOCK_M, BLOCK_K,
+        st_ptr, num_cols, num_col_tiles, ROWWISE, True, E8M0, BLOCK_M, BLOCK_K,
         TRANS_STORE,
     )  # fmt: skip
 
@@ -425,7 +446,8 @@ def _launch_1x128(x_MK, tiles, rowwise, colwise, scale_format, source_rows=None,
     num_col_tiles = cdiv(num_cols, BLOCK)
     e8m0 = scale_format == "e8m0"
     q = torch.empty((num_rows, num_cols) if rowwise else (0,), dtype=_FP8, device=dev)
-    s = _empty_scales((num_rows, num_col_tiles) if rowwise else (0,), scale_format, dev)
+    s = _row_scales(num_rows, num_cols, scale_format, dev) if rowwise else _empty_scales(
+        (0,), scale_format, dev)  # fmt: skip
     cfg = QUANT_CONFIG
     if not colwise:
         # (At least 1: a [M, 0] input has no column tile, and a 0 would divide by zero.)
@@ -441,9 +463,19 @@ def _launch_1x128(x_MK, tiles, rowwise, colwise, scale_format, source_rows=None,
         return Fp8Quantized(q, s), None
     segmented = tiles is not None
     num_row_tiles = tiles.num_tiles if segmented else cdiv(num_rows, BLOCK)
-    qt = torch.empty((num_cols, num_row_tiles * BLOCK), dtype=_FP8, device=dev)
-    st = _empty_scales((num_row_tiles, num_cols), scale_format, dev)
+    qt, st = _transposed_outputs(num_row_tiles, num_cols, scale_format, dev)
     dummy = torch.empty(1, dtype=torch.int32, device=dev)  # never read (no kernel to fill it)
+    if rowwise and cfg["dual_gluon"] and fp8_quant_gluon.supported(x_MK):
+        if num_row_tiles * num_col_tiles > 0:
+            fp8_quant_gluon.launch_dual(
+                x_MK, q, _scale_storage(s), qt, _scale_storage(st),
+                tiles.start_T if segmented else dummy, tiles.end_T if segmented else dummy,
+                dummy if source_rows is None else source_rows,
+                dummy if row_weights is None else row_weights,
+                num_rows, num_row_tiles, segmented, e8m0, source_rows is not None,
+                row_weights is not None,
+            )  # fmt: skip
+        return Fp8Quantized(q, s), Fp8Quantized(qt, st)
     launch(
         _quant_1x128_dual_kernel, (num_row_tiles * num_col_tiles,),
         x_MK, q, _scale_storage(s), qt, _scale_storage(st),
@@ -500,9 +532,9 @@ def quantize_1x128_dual(
 
     Returns:
         ``(rowwise, transposed)``: rowwise data [M', K] with scales [M', ceil(K/128)], and
-        tile-padded transposed data [K, 128·T] with scales [T, K] (T = row tiles, or
-        ceil(M'/128) without ``tiles``; padding and unused slots hold 0 with scale 1). The
-        scales are tile-major so that the wgrad GEMM reads one contiguous row per tile.
+        tile-major transposed data [T, K, 128] with scales [T, K]
+        (T = row tiles, or ceil(M'/128) without ``tiles``; padding and unused slots hold 0
+        with scale 1). See the module docstring.
     """
     _check_scale_format(scale_format)
     _check_2d(x_MK, "x")
@@ -620,15 +652,15 @@ def quantize_1x128_dual_reference(
     amax_TK.scatter_reduce_(0, tile_R[:, None].expand(num_rows, num_cols), absx_MK, "amax")
     k_TK = _pow2_exponent(amax_TK)
     q_MK = _cast(x_MK.float() * _pow2(-k_TK)[tile_R])
-    padded_KP = torch.zeros(num_cols, tiles.num_tiles * BLOCK, dtype=_FP8, device=x_MK.device)
-    padded_KP[:, _padded_column(tiles, tile_R)] = q_MK.T
-    return rowwise, Fp8Quantized(padded_KP, _encode(k_TK, scale_format))
+    padded_TKB = torch.zeros(tiles.num_tiles, num_cols, BLOCK, dtype=_FP8, device=x_MK.device)
+    padded_TKB[tile_R, :, _row_in_tile(tiles, tile_R)] = q_MK
+    return rowwise, Fp8Quantized(padded_TKB, _encode(k_TK, scale_format))
 
 
-def _padded_column(tiles: RowTiles, tile_R: Tensor) -> Tensor:
-    """Column of each row in the tile-padded transposed layout."""
+def _row_in_tile(tiles: RowTiles, tile_R: Tensor) -> Tensor:
+    """Position of each row within its tile (the last index of the transposed data)."""
     rows_R = torch.arange(tile_R.numel(), device=tile_R.device)
-    return BLOCK * tile_R + rows_R - tiles.start_T.long()[tile_R]
+    return rows_R - tiles.start_T.long()[tile_R]
 
 
 # One program per 128×128 block of one group's weight. With TRANSPOSE the program also writes
@@ -756,20 +788,20 @@ def dequantize_128x128(q: Fp8Quantized) -> Tensor:
 
 
 def dequantize_tiles_transposed(q: Fp8Quantized, tiles: RowTiles | None, num_rows: int) -> Tensor:
-    """fp32 values [K, M] of the (tile-padded) transposed half of :func:`quantize_1x128_dual`.
+    """fp32 values [K, M] of the (tile-major) transposed half of :func:`quantize_1x128_dual`.
 
     Args:
-        q: The transposed half: data [K, 128·T], scales [T, K].
+        q: The transposed half: data [T, K, 128], scales [T, K].
         tiles: The row tiles it was quantized with (None: plain 128-row tiles).
         num_rows: M.
 
     Returns:
         ``xᵀ`` as fp32 [K, M], exactly.
     """
+    rows_R = torch.arange(num_rows, device=q.data.device)
     if tiles is None:
-        tile_R = torch.arange(num_rows, device=q.data.device) // BLOCK
-        column_R = torch.arange(num_rows, device=q.data.device)
+        tile_R, pos_R = rows_R // BLOCK, rows_R % BLOCK
     else:
         tile_R = _tile_of_row(tiles)
-        column_R = _padded_column(tiles, tile_R)
-    return q.data[:, column_R].float() * scale_to_float(q.scale)[tile_R].T
+        pos_R = _row_in_tile(tiles, tile_R)
+    return (q.data[tile_R, :, pos_R].float() * scale_to_float(q.scale)[tile_R]).T

@@ -31,11 +31,12 @@ from mt_ops.fp8_quant import (
     RowTiles,
     ScaleFormat,
     _check_scale_format,
-    _empty_scales,
     _launch_1x128,
     _quantize_store_dual,
+    _row_scales,
     _scale_storage,
     _tile_pointers,
+    _transposed_outputs,
     quantize_1x128_dual_reference,
 )
 from mt_ops.swiglu import _swiglu_bwd
@@ -87,7 +88,7 @@ def _swiglu_quant_fwd_kernel(
     h = h.to(gate_ptr.dtype.element_ty).to(tl.float32)
     _quantize_store_dual(
         h, rows64, row_ok, cols, col_ok, pid_m, pid_k, q_ptr, s_ptr, qt_ptr, st_ptr,
-        num_cols, num_col_tiles, num_row_tiles, True, True, E8M0, BLOCK_M, BLOCK_K, TRANS_STORE,
+        num_cols, num_col_tiles, True, True, E8M0, BLOCK_M, BLOCK_K, TRANS_STORE,
     )  # fmt: skip
 
 
@@ -114,13 +115,13 @@ def _swiglu_quant_bwd_kernel(
     dgate = dgate.to(gate_ptr.dtype.element_ty).to(tl.float32)
     _quantize_store_dual(
         dgate, rows64, row_ok, cols, col_ok, pid_m, pid_k, qg_ptr, sg_ptr, qgt_ptr, sgt_ptr,
-        num_cols, num_col_tiles, num_row_tiles, True, True, E8M0, BLOCK_M, BLOCK_K, TRANS_STORE,
+        num_cols, num_col_tiles, True, True, E8M0, BLOCK_M, BLOCK_K, TRANS_STORE,
     )  # fmt: skip
     silu = g * sig
     dup = (dout * silu).to(gate_ptr.dtype.element_ty).to(tl.float32)
     _quantize_store_dual(
         dup, rows64, row_ok, cols, col_ok, pid_m, pid_k, qu_ptr, su_ptr, qut_ptr, sut_ptr,
-        num_cols, num_col_tiles, num_row_tiles, True, True, E8M0, BLOCK_M, BLOCK_K, TRANS_STORE,
+        num_cols, num_col_tiles, True, True, E8M0, BLOCK_M, BLOCK_K, TRANS_STORE,
     )  # fmt: skip
 
 
@@ -140,16 +141,11 @@ def _check(tensors: dict[str, Tensor], tiles: RowTiles | None) -> None:
 
 
 def _outputs(num_rows, num_cols, num_row_tiles, scale_format, device) -> DualQuantized:
-    fp8 = torch.float8_e4m3fn
     rows = Fp8Quantized(
-        torch.empty(num_rows, num_cols, dtype=fp8, device=device),
-        _empty_scales((num_rows, cdiv(num_cols, BLOCK)), scale_format, device),
+        torch.empty(num_rows, num_cols, dtype=torch.float8_e4m3fn, device=device),
+        _row_scales(num_rows, num_cols, scale_format, device),
     )
-    cols = Fp8Quantized(
-        torch.empty(num_cols, num_row_tiles * BLOCK, dtype=fp8, device=device),
-        _empty_scales((num_row_tiles, num_cols), scale_format, device),
-    )
-    return rows, cols
+    return rows, Fp8Quantized(*_transposed_outputs(num_row_tiles, num_cols, scale_format, device))
 
 
 def _flat(dual: DualQuantized) -> list[Tensor]:
