@@ -2,7 +2,8 @@
 
 Each line prints a ratio against a baseline measured in the same run:
 
-- quantization GB/s (bytes read + written) against a device-to-device copy;
+- quantization GB/s (bytes read + written) against a device-to-device copy (the dual
+  quantizer by its Gluon kernel on Hopper and, beside it, by the Triton kernel);
 - dense and grouped FP8 GEMM TFLOP/s against BF16 (``torch.mm`` / ``torch._grouped_mm``)
   and PyTorch's own rowwise FP8 (``torch._scaled_mm`` / ``torch._scaled_grouped_mm``);
 - the grouped expert MLP (gate, up, SwiGLU, down; forward + dgrad + wgrad, activation
@@ -70,9 +71,14 @@ def quantization(copy_gbs: float) -> None:
     scales = n // 128 * 4
     rows = bench_ms(lambda: quantize_1x128(x))
     dual = bench_ms(lambda: quantize_1x128_dual(x))
+    def dual_triton_ms():
+        return bench_ms(lambda: quantize_1x128_dual(x))
+
+    dual_triton = _with_config(fp8_quant.QUANT_CONFIG, {"dual_gluon": False}, dual_triton_ms)
     for name, ms, nbytes in (
         ("quant 1x128 rows  bf16 [65536,4096]", rows, 2 * n + n + scales),
         ("quant 1x128 dual  bf16 [65536,4096]", dual, 2 * n + 2 * n + 2 * scales),
+        ("quant 1x128 dual  bf16 [65536,4096] Triton", dual_triton, 4 * n + 2 * scales),
     ):
         gbs = nbytes / ms / 1e6
         print(f"{name}: {ms * 1e3:8.1f} us {gbs:7.0f} GB/s = {gbs / copy_gbs:.2f}x copy")
@@ -108,6 +114,16 @@ def quantization(copy_gbs: float) -> None:
         gbs = nbytes / fused / 1e6
         print(f"{name}: fused {fused * 1e3:7.1f} us ({gbs:5.0f} GB/s = {gbs / copy_gbs:.2f}x "
               f"copy) | unfused {unfused * 1e3:7.1f} us = {unfused / fused:.2f}x")  # fmt: skip
+
+
+def _with_config(config: dict, values: dict, run):
+    """Runs ``run()`` with ``config`` updated by ``values``; restores it afterwards."""
+    saved = {key: config[key] for key in values}
+    config.update(values)
+    try:
+        return run()
+    finally:
+        config.update(saved)
 
 
 def _with_fused_swiglu_bwd(run):
@@ -149,6 +165,7 @@ def dual_store_variants() -> None:
     """
     qc, sc = fp8_quant.QUANT_CONFIG, fp8_swiglu.SWIGLU_QUANT_CONFIG
     saved = dict(qc), dict(sc)
+    qc["dual_gluon"] = False  # the store patterns are the Triton kernel's
     x = torch.randn(65536, 4096, device="cuda", dtype=torch.bfloat16)
     small = torch.randn(8192, 2048, device="cuda", dtype=torch.bfloat16) * 10
     counts = counts_for(8192, 16, True)
@@ -185,7 +202,9 @@ def sweep() -> None:
     _best("quant rows", [{"rows_block_m": bm, "rows_col_tiles": ct, "rows_warps": w}
                          for bm, ct, w in rows_cands],
           lambda: quantize_1x128(x), qc)  # fmt: skip
-    _best("quant dual", [{"dual_warps": w} for w in (4, 8)], lambda: quantize_1x128_dual(x), qc)
+    _with_config(qc, {"dual_gluon": False}, lambda: _best(  # the Triton kernel's setting
+        "quant dual", [{"dual_warps": w} for w in (4, 8)], lambda: quantize_1x128_dual(x), qc
+    ))  # fmt: skip
     del x
     num_experts, topk, dim, hidden = SHAPES["qwen3-30b-a3b"]
     rows = 16384 * topk
