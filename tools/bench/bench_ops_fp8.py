@@ -71,6 +71,7 @@ def quantization(copy_gbs: float) -> None:
     scales = n // 128 * 4
     rows = bench_ms(lambda: quantize_1x128(x))
     dual = bench_ms(lambda: quantize_1x128_dual(x))
+
     def dual_triton_ms():
         return bench_ms(lambda: quantize_1x128_dual(x))
 
@@ -288,11 +289,16 @@ def dense_gemms() -> None:
     (_, aqt), (_, dyqt) = quantize_1x128_dual(a, tiles=tiles), quantize_1x128_dual(dy, tiles=tiles)
     bf16_w = bench_ms(lambda: dy.T @ a)
     line = f"dense wgrad {n}x{k} over {m} tokens: bf16 {flops / bf16_w / 1e9:6.0f} TFLOP/s"
-    for backend in ("torch", "triton"):
+    # "torch" takes the Hopper kernel where it runs; "cuBLAS" forces cuBLAS (the tiles side
+    # by side) by switching the Hopper kernels off.
+    for label, backend, hopper in (("torch", "torch", True), ("cuBLAS", "torch", False),
+                                   ("triton", "triton", True)):  # fmt: skip
         for out_dtype in (torch.float32, torch.bfloat16):
-            ms = bench_ms(lambda b=backend, o=out_dtype: fp8_grouped_wgrad(
-                dyqt, aqt, tiles, out_dtype=o, backend=b))  # fmt: skip
-            line += f" | {backend} fp8 {str(out_dtype)[6:]} {flops / ms / 1e9:6.0f}"
+            def wgrad_ms(b=backend, o=out_dtype):
+                return bench_ms(lambda: fp8_grouped_wgrad(dyqt, aqt, tiles, out_dtype=o, backend=b))
+
+            ms = _with_config(fp8_gemm.HOPPER, {"enabled": hopper}, wgrad_ms)
+            line += f" | {label} fp8 {str(out_dtype)[6:]} {flops / ms / 1e9:6.0f}"
             line += f" ({bf16_w / ms:.2f}x)"
     print(line)
 

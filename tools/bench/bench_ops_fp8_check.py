@@ -35,10 +35,12 @@ def compare(name, got, ref):
 def main() -> None:
     # No options: --help describes the run instead of starting it on the GPU.
     argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " ")).parse_args()
-    for dual_warps in (4, 8):
-        fp8_quant.QUANT_CONFIG["dual_warps"] = dual_warps
+    # The Triton dual kernel at each warp count, then (on Hopper) the Gluon one.
+    for dual_gluon, dual_warps in ((False, 4), (False, 8), (True, 4)):
+        fp8_quant.QUANT_CONFIG.update(dual_gluon=dual_gluon, dual_warps=dual_warps)
         for counts, k_dim, n_dim in (([1024], 2048, 768), ([0, 300, 17, 0, 700, 1], 768, 2048)):
-            print(f"dual_warps={dual_warps} counts={counts} K={k_dim} N={n_dim}")
+            print(f"dual_gluon={dual_gluon} dual_warps={dual_warps} counts={counts} K={k_dim} "
+                  f"N={n_dim}")  # fmt: skip
             gen = torch.Generator().manual_seed(0)
             rows = sum(counts)
             x = torch.randn(rows, k_dim, generator=gen).cuda()

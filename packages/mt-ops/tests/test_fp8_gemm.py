@@ -147,6 +147,36 @@ def test_grouped_wgrad_kernel_equals_emulation_and_accumulates_in_interpreter(
         fp8_grouped_wgrad(p["dyqt"], p["xqt"], p["tiles"], out=got.bfloat16())
 
 
+@pytest.mark.parametrize("hopper", [True, False])
+def test_dense_wgrad_takes_the_hopper_kernel_over_cublas_where_it_runs(monkeypatch, hopper):
+    # One group with the "torch" backend: cuBLAS only where the Hopper kernel cannot run
+    # (it would read a side-by-side copy of the tile-major operands).
+    p = _problem([300], 256, 128)
+    calls = []
+    monkeypatch.setattr(gemm_module, "fp8_backend", lambda device, backend=None: "torch")
+    monkeypatch.setattr(gemm_module, "_use_hopper", lambda *operands, out: hopper)
+    monkeypatch.setattr(
+        gemm_module.fp8_gemm_hopper, "grouped_wgrad",
+        lambda a_t, b_t, tiles, out, accumulate: calls.append(("hopper", out.shape)) or out,
+    )  # fmt: skip
+    monkeypatch.setattr(
+        gemm_module, "_wgrad_torch",
+        lambda a_t, b_t, out, out_dtype: calls.append(("cublas", out)) or torch.zeros(1),
+    )  # fmt: skip
+    fp8_grouped_wgrad(p["dyqt"], p["xqt"], p["tiles"])
+    assert calls == ([("hopper", (1, 128, 256))] if hopper else [("cublas", None)])
+
+
+def test_tiles_side_by_side_is_the_tile_padded_matrix_cublas_reads():
+    p = _problem([130, 0, 61], 256, 128)
+    data = p["xqt"].data  # [T, K, 128]
+    matrix = gemm_module._tiles_side_by_side(data)  # [K, 128·T]
+    assert matrix.shape == (256, 128 * data.shape[0])
+    for t in range(data.shape[0]):
+        assert torch.equal(matrix[:, 128 * t : 128 * (t + 1)].view(torch.uint8),
+                           data[t].view(torch.uint8))  # fmt: skip
+
+
 @pytest.mark.parametrize("wgrad", [fp8_grouped_wgrad, fp8_grouped_wgrad_reference])
 @pytest.mark.parametrize("shape", [(4, 160, 192), (5, 160, 1), (160, 192)])
 def test_grouped_wgrad_rejects_an_out_of_another_shape_by_name(wgrad, shape):
@@ -259,7 +289,8 @@ HOPPER_FP8_ACCUMULATION = 3e-4
 def test_gpu_fp8_gemms_equal_emulation_up_to_output_rounding(backend, scale_format):
     if backend == "torch" and torch.cuda.get_device_capability() == (9, 0):
         # On Hopper the dense case below (K % 512 == 0, one group) must take cuBLAS for
-        # fprop, dgrad and wgrad, not fall back.
+        # fprop and dgrad, not fall back; its wgrad takes the Hopper kernel with fp32
+        # scales and cuBLAS with E8M0 ones.
         for recipe in gemm_module.SCALED_MM_RECIPES:
             assert gemm_module._scaled_mm_works(0, recipe), gemm_module.SCALED_MM_PROBE_ERRORS
     for counts, k_dim, n_dim in (([1024], 2048, 768), ([0, 300, 17, 0, 700, 1], 768, 2048)):
@@ -277,7 +308,9 @@ def test_gpu_fp8_gemms_equal_emulation_up_to_output_rounding(backend, scale_form
         dw_bf16 = fp8_grouped_wgrad(
             p["dyqt"], p["xqt"], tiles, out_dtype=torch.bfloat16, backend=backend
         )
-        if backend == "torch" and len(counts) == 1:  # cuBLAS may pick another algorithm
+        hopper = scale_format == "fp32" and torch.cuda.get_device_capability() == (9, 0)
+        if backend == "torch" and len(counts) == 1 and not hopper:  # cuBLAS may pick
+            # another algorithm for another output dtype
             assert _relative(dw_bf16, expected_dw) <= 4e-3
         else:
             assert torch.equal(dw_bf16, dw.bfloat16())  # one rounding of the same accumulator

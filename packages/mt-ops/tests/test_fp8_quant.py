@@ -5,7 +5,9 @@ import dataclasses
 import pytest
 import torch
 
+import mt_ops.fp8_quant_gluon as quant_gluon
 from mt_ops.fp8_quant import (
+    QUANT_CONFIG,
     Fp8Quantized,
     _launch_1x128_kernel_for_test,
     _launch_128x128,
@@ -107,12 +109,14 @@ def test_huge_values_quantize_without_nan():
     assert float(q.data.float().abs().max()) <= 448
 
 
+@pytest.mark.parametrize("trans_store", [False, True])  # the two transposed-store patterns
 @pytest.mark.parametrize("scale_format", FORMATS)
 @pytest.mark.parametrize("segmented", [False, True])
 @pytest.mark.parametrize("shape", [(300, 200), (1, 5), (0, 128)])
 def test_dual_kernel_matches_reference_scales_exactly_in_interpreter(
-    shape, segmented, scale_format, fp8_mostly_equal
+    shape, segmented, scale_format, trans_store, fp8_mostly_equal, monkeypatch
 ):
+    monkeypatch.setitem(QUANT_CONFIG, "dual_trans_store", trans_store)
     x = _wide_range(*shape).bfloat16()
     tiles = None
     if segmented and shape[0] >= 133:
@@ -254,9 +258,17 @@ def test_quantize_rejects_unknown_scale_format():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dual_gluon", [True, False])  # on Hopper: the Gluon or Triton kernel
 @pytest.mark.parametrize("scale_format", FORMATS)
 @pytest.mark.parametrize("shape", [(4096, 2048), (1023, 777), (1, 128), (0, 256)])
-def test_quantization_kernels_are_bit_exact_against_reference_on_gpu(shape, scale_format):
+def test_quantization_kernels_are_bit_exact_against_reference_on_gpu(
+    shape, scale_format, dual_gluon, monkeypatch
+):
+    monkeypatch.setitem(QUANT_CONFIG, "dual_gluon", dual_gluon)
+    gluon_launches = []
+    launch_dual = quant_gluon.launch_dual
+    monkeypatch.setattr(quant_gluon, "launch_dual",
+                        lambda *args: gluon_launches.append(1) or launch_dual(*args))  # fmt: skip
     x = _wide_range(*shape, seed=1).cuda().bfloat16()
     counts = torch.tensor([shape[0] // 3, 0, shape[0] - shape[0] // 3]).cuda()
     gen = torch.Generator().manual_seed(3)
@@ -281,6 +293,8 @@ def test_quantization_kernels_are_bit_exact_against_reference_on_gpu(shape, scal
                 r, c = bad[0].tolist()
                 detail.append(float(x[r, c].float() / scale_to_float(ref.scale)[r, c // 128]))
             assert bad.shape[0] == 0, f"{bad.shape[0]} of {got_bits.numel()} differ: {detail}"
+    expect_gluon = dual_gluon and quant_gluon.supported(x) and shape[0] > 0
+    assert bool(gluon_launches) == expect_gluon, (dual_gluon, len(gluon_launches))
     rows = quantize_1x128(x, scale_format=scale_format)  # the rows-only kernel
     ref = quantize_1x128_reference(x, scale_format=scale_format)
     assert torch.equal(scale_to_float(rows.scale), scale_to_float(ref.scale))

@@ -29,10 +29,13 @@ the environment variable ``MT_OPS_FP8_BACKEND``):
   H200, 16384×4096×4096: 1.1 PFLOP/s, 1.67× BF16 and 1.41× our Triton kernel), and for
   the dense wgrad where the Hopper kernels cannot run (one group; both operands 1×128
   along the tokens, its own probe; cuBLAS reads a side-by-side copy of the tile-major
-  tiles). On the H200 the Hopper wgrad kernel beats it, 4096×2048 over 16k tokens in 289
-  against 508 us (2048×2048: 142 against 302; over 4k: 118 against 147), so there it takes
-  the dense wgrad too. Our Triton kernels serve other dense shapes and grouped products
-  (PyTorch's grouped FP8 path is rowwise only).
+  tiles). On the H200 the dense wgrad takes the Hopper kernel: 4096×2048 over 16k tokens
+  in 289 us, against 508 for cuBLAS with the copy (2048×2048: 142 against 302; over 4k
+  tokens: 118 against 147). cuBLAS ran the old tile-padded layout without a copy in 276 us,
+  so the tile-major layout costs this wgrad ~5% while the dual quantizer writing it gained
+  10-20% (mt_ops.fp8_quant_gluon); elsewhere (E8M0 scales, other GPUs) the copy is paid.
+  Our Triton kernels serve other dense shapes and grouped products (PyTorch's grouped FP8
+  path is rowwise only).
 - ``"triton"``: our Triton kernels for everything (on Hopper, the grouped products take the
   warp-specialized Gluon kernels of :mod:`mt_ops.fp8_gemm_hopper`, which compute the same
   bits faster).
@@ -40,6 +43,7 @@ the environment variable ``MT_OPS_FP8_BACKEND``):
 """
 
 import logging
+import math
 import os
 from functools import cache
 
@@ -736,15 +740,20 @@ def fp8_grouped_wgrad(
         return out.add_(result)
     n_dim, k_dim = a_t.data.shape[1], b_t.data.shape[1]
     accumulate = out is not None
-    target = out
-    if out is None:
-        target = torch.empty(num_groups, n_dim, k_dim, dtype=out_dtype, device=a_t.data.device)
-    hopper = target.numel() > 0 and _use_hopper(a_t, b_t, out=target)
+    shape = (num_groups, n_dim, k_dim)
+    # Whether the Hopper kernel takes it, decided before allocating a result that the
+    # cuBLAS route would not use: a new tensor is contiguous and aligned, so a one-row
+    # stand-in answers for it, plus the element count that bounds the kernel's offsets.
+    probe = out
+    if probe is None:
+        probe = torch.empty((1, k_dim), dtype=out_dtype, device=a_t.data.device)
+    hopper = 0 < math.prod(shape) < 2**31 and _use_hopper(a_t, b_t, out=probe)
     if num_groups == 1 and choice == "torch" and not hopper:
         result = _wgrad_torch(a_t, b_t, out, out_dtype)
         if result is not None:
             return result
-    out = target
+    if out is None:
+        out = torch.empty(shape, dtype=out_dtype, device=a_t.data.device)
     if hopper:
         return fp8_gemm_hopper.grouped_wgrad(a_t, b_t, tiles, out, accumulate)
     e8m0 = a_t.scale.dtype == torch.float8_e8m0fnu

@@ -31,8 +31,8 @@ The transposed data is *tile-major* and *tile-padded*, ``[T, K, 128]``: ``data[i
 column ``c`` of tile ``i``'s rows, then zeros up to 128, so each tile's block is one
 contiguous ``[K, 128]`` matrix whose rows start 16-byte aligned (the wgrad GEMM loads full
 16-byte vectors, and a program of the dual kernel writes its transposed tile as one
-contiguous block); its scales are ``[T, K]``. See ``QUANT_CONFIG`` for what the layouts
-measured.
+contiguous block); its scales are ``[T, K]``. :mod:`mt_ops.fp8_quant_gluon` has what the
+layouts measured.
 """
 
 from dataclasses import dataclass
@@ -338,7 +338,9 @@ def _quantize_store_dual(
 # Also measured and not kept (H200, 2026-11-30, library 322-345 us here): Gluon kernels with
 # explicit layouts (16 or 8 rows x 8-16 columns per thread, registers walking rows for the
 # transposed store, so it writes 8-16-byte vectors with no shared-memory conversion; no
-# spills) ran 354-578 us; a persistent kernel reading tiles through pipelined TMA loads
+# spills; not the kernel of mt_ops.fp8_quant_gluon, which packs 4 rows per 32-bit word in
+# registers and writes the later tile-major layout) ran 354-578 us; a persistent kernel
+# reading tiles through pipelined TMA loads
 # (1-3 stages, 1-3 programs per SM) 520-853 us; 8 or 16 warps, or 4 warps capped at 128
 # registers (4 programs per SM), 350-640 us. Nsight Compute on the library kernel: 74% SM
 # and 68% memory throughput, 12 warps per SM (163 registers); dropping the ±448 clamps cut

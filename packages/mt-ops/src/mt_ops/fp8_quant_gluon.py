@@ -9,7 +9,8 @@ result through shared memory one byte per instruction to store the transposed ha
 Compute on the H200: 156 byte stores to shared memory per warp and tile). Here each thread
 holds 8 consecutive rows × 16 columns (``LAYOUT``), so:
 
-- loads and the row-major stores are 32-byte runs of a row;
+- a thread's loads are 32-byte runs of a row (16 bf16 columns), its row-major stores
+  16-byte runs;
 - the transposed half needs no shared memory: a thread packs each column's 4 consecutive
   rows into one 32-bit word in registers (two ``cvt.rn.satfinite.e4m3x2.f32``, the
   conversion Triton's fp8 cast uses) and writes its 8 rows of a column as one 8-byte store.
