@@ -374,7 +374,7 @@ def _tile_pointers(
 @triton.jit
 def _quant_1x128_dual_kernel(
     x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, tile_start_ptr, tile_end_ptr, src_row_ptr,
-    row_weight_ptr, num_rows, num_cols, stride_x, num_col_tiles, num_row_tiles,
+    row_weight_ptr, num_rows, num_cols, stride_x, num_col_tiles,
     ROWWISE: tl.constexpr, SEGMENTED: tl.constexpr, E8M0: tl.constexpr,
     GATHER: tl.constexpr, WEIGHTED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TRANS_STORE: tl.constexpr,
@@ -484,7 +484,7 @@ def _launch_1x128(x_MK, tiles, rowwise, colwise, scale_format, source_rows=None,
         tiles.start_T if segmented else dummy, tiles.end_T if segmented else dummy,
         dummy if source_rows is None else source_rows,
         dummy if row_weights is None else row_weights,
-        num_rows, num_cols, x_MK.stride(0), num_col_tiles, num_row_tiles,
+        num_rows, num_cols, x_MK.stride(0), num_col_tiles,
         ROWWISE=rowwise, SEGMENTED=segmented, E8M0=e8m0, GATHER=source_rows is not None,
         WEIGHTED=row_weights is not None, BLOCK_M=BLOCK, BLOCK_K=BLOCK,
         TRANS_STORE=cfg["dual_trans_store"], num_warps=cfg["dual_warps"],

@@ -72,7 +72,7 @@ SWIGLU_QUANT_CONFIG = {"fwd_warps": 8, "bwd_warps": 16, "bwd_fused": False}
 @triton.jit
 def _swiglu_quant_fwd_kernel(
     gate_ptr, up_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, tile_start_ptr, tile_end_ptr,
-    num_rows, num_cols, num_col_tiles, num_row_tiles,
+    num_rows, num_cols, num_col_tiles,
     SEGMENTED: tl.constexpr, E8M0: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     TRANS_STORE: tl.constexpr,
 ):  # fmt: skip
@@ -96,7 +96,7 @@ def _swiglu_quant_fwd_kernel(
 def _swiglu_quant_bwd_kernel(
     grad_ptr, gate_ptr, up_ptr,
     qg_ptr, sg_ptr, qgt_ptr, sgt_ptr, qu_ptr, su_ptr, qut_ptr, sut_ptr,
-    tile_start_ptr, tile_end_ptr, num_rows, num_cols, num_col_tiles, num_row_tiles,
+    tile_start_ptr, tile_end_ptr, num_rows, num_cols, num_col_tiles,
     SEGMENTED: tl.constexpr, E8M0: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     TRANS_STORE: tl.constexpr,
 ):  # fmt: skip
@@ -166,7 +166,7 @@ def _launch(kernel, inputs, num_outputs, tiles, scale_format, num_warps):
         kernel, (num_row_tiles * num_col_tiles,),
         *inputs, *[t for out in outs for t in _flat(out)],
         tiles.start_T if segmented else dummy, tiles.end_T if segmented else dummy,
-        num_rows, num_cols, num_col_tiles, num_row_tiles,
+        num_rows, num_cols, num_col_tiles,
         SEGMENTED=segmented, E8M0=scale_format == "e8m0", BLOCK_M=BLOCK, BLOCK_K=BLOCK,
         TRANS_STORE=QUANT_CONFIG["dual_trans_store"], num_warps=num_warps,
     )  # fmt: skip
