@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from mt_train.cli import main
-from mt_train.config import JobConfig
+from mt_train.config import JobConfig, check_pipeline_micro_batch_tokens
 from mt_train.optim import lr_at
 from mt_train.overrides import resolve_config
 from mt_train.recipes import RECIPES, get_recipe
@@ -92,6 +92,35 @@ def test_pipeline_layouts_it_cannot_schedule_are_refused_naming_the_keys_and_fix
         with pytest.raises(ValueError, match=rule):
             overrides = [*tiny, "parallel.pp=2", *bad.split()]
             resolve_config(get_recipe("tiny"), overrides=overrides)
+
+
+def test_pipeline_micro_batch_of_2_24_tokens_per_rank_is_refused_before_any_work():
+    # One pipeline's micro-batch, as the executor sees it: micro_batch_size / (dp*ep)
+    # sequences of seq_len / cp tokens. Here 32 / (2*2) = 8 x 2**22 / 2 = 2**24 tokens.
+    layout = ["model.num_hidden_layers=4", "training.global_batch_size=224",
+              "parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "parallel.cp=2",
+              f"data.seq_len={2**22}"]  # fmt: skip
+    rule = (
+        r"training.micro_batch_size \(32\) / \(parallel.dp \* parallel.ep = 2\*2\) = 8 "
+        r"sequences of data.seq_len \(4194304\) / parallel.cp \(2\) = 2097152 tokens = "
+        r"16777216 tokens.* fp32, exact below 2\*\*24 \(16777216\); lower "
+        r"training.micro_batch_size to at most 28 or data.seq_len to at most 4194300"
+    )
+    with pytest.raises(ValueError, match=rule):
+        resolve_config(get_recipe("tiny"), overrides=[*layout, "training.micro_batch_size=32"])
+    # 7 sequences per rank (2**24 - 2**21 tokens) fit: the check divides by dp*ep and cp.
+    cfg = resolve_config(get_recipe("tiny"), overrides=[*layout, "training.micro_batch_size=28"])
+    assert cfg.training.micro_batch_size == 28
+    # dp=-1 is known only with the world size: setup checks with the derived dp.
+    layout[3] = "parallel.dp=-1"
+    cfg = resolve_config(get_recipe("tiny"), overrides=[*layout, "training.micro_batch_size=32"])
+    with pytest.raises(ValueError, match=rule):
+        check_pipeline_micro_batch_tokens(cfg, dp=2)
+    check_pipeline_micro_batch_tokens(cfg, dp=4)  # 4 sequences per rank: 2**23 tokens
+    # Without the pipeline nothing is sent as fp32 counts: no limit here.
+    overrides = [*layout[:2], f"data.seq_len={2**25}", "training.micro_batch_size=32"]
+    cfg = resolve_config(get_recipe("tiny"), overrides=overrides)
+    check_pipeline_micro_batch_tokens(cfg, dp=1)
 
 
 def test_toml_file_adjusts_the_recipe_and_command_line_wins(tmp_path):

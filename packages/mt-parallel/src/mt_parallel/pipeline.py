@@ -128,10 +128,12 @@ from mt_parallel.pipeline_comm import ACTIVATION, GRADIENT, Message, message_pla
 from mt_parallel.pipeline_stages import PipelineStage
 from mt_parallel.schedule import LossSums, MicroBatch, StepResult
 
-__all__ = ["DualPipeVExecutor"]
+__all__ = ["MICRO_BATCH_TOKEN_LIMIT", "DualPipeVExecutor"]
 
 _STATS_FIELDS = tuple(f.name for f in dataclasses.fields(RouterStats))
 _COUNT_FIELDS = ("num_tokens", "num_tokens_B")  # int64 in RouterStats
+# A micro-batch must hold fewer tokens than this: the statistics travel as fp32 (below).
+MICRO_BATCH_TOKEN_LIMIT = 2**24
 
 
 def _stats_shapes(num_experts: int, batch: int) -> tuple[tuple[int, ...], ...]:
@@ -266,7 +268,7 @@ class DualPipeVExecutor:
             )
         for i, mb in enumerate(microbatches):  # before any work, on every rank alike
             batch, seq = mb.input_ids.shape
-            if batch * seq >= 2**24:
+            if batch * seq >= MICRO_BATCH_TOKEN_LIMIT:
                 raise ValueError(
                     f"microbatches[{i}] holds {batch} x {seq} = {batch * seq} tokens; the "
                     "pipeline sends token counts as fp32, exact below 2**24 (16777216): use "

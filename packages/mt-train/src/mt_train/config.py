@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mt_models import MODEL_FAMILIES
+from mt_parallel.pipeline import MICRO_BATCH_TOKEN_LIMIT
 from mt_parallel.schedule import GRAD_REDUCE
 
 
@@ -426,7 +427,8 @@ class JobConfig:
 
     def _check_pipeline(self) -> None:
         """Refuses too few micro-batches or layers for the pipeline's (parallel.pp > 1)
-        schedule."""
+        schedule, and micro-batches it cannot count (with parallel.dp given; dp = -1 is
+        known only with the world size, and setup checks then)."""
         pp, training = self.parallel.pp, self.training
         micro_batches = training.global_batch_size // max(training.micro_batch_size, 1)
         if micro_batches < 2 * pp:
@@ -445,6 +447,8 @@ class JobConfig:
                 f"layer, but model.num_hidden_layers is {layers}; use parallel.pp <= "
                 f"{max(layers // 2, 1)} or more layers"
             )
+        if self.parallel.dp != -1:
+            check_pipeline_micro_batch_tokens(self, self.parallel.dp)
 
     def to_dict(self) -> dict[str, Any]:
         """Returns the config as nested plain data, with the model family named."""
@@ -471,6 +475,42 @@ class JobConfig:
             precision=_build(PrecisionConfig, data.pop("precision", {})),
             **data,
         )
+
+
+def check_pipeline_micro_batch_tokens(cfg: JobConfig, dp: int) -> None:
+    """Raises ValueError when parallel.pp > 1 and one pipeline's micro-batch would hold
+    2**24 tokens or more: DualPipeV sends token counts as fp32 (exact below that) and its
+    executor refuses such a batch at the first step, after the model is built.
+
+    The executor sees training.micro_batch_size / (dp·ep) sequences of data.seq_len / cp
+    tokens. A layout those do not divide is left to the checks that refuse it.
+
+    Args:
+        cfg: the run config.
+        dp: the data-parallel size, resolved (parallel.dp, or what -1 derives).
+    """
+    par, micro, seq_len = cfg.parallel, cfg.training.micro_batch_size, cfg.data.seq_len
+    batch_ranks = dp * par.ep
+    if par.pp == 1 or micro % batch_ranks or seq_len % par.cp:
+        return
+    sequences, seq = micro // batch_ranks, seq_len // par.cp
+    if sequences * seq < MICRO_BATCH_TOKEN_LIMIT:
+        return
+    limit = MICRO_BATCH_TOKEN_LIMIT
+    # The largest micro_batch_size (a multiple of dp·ep) and seq_len (of 2·cp under context
+    # parallelism) that fit, the other kept.
+    fixes = []
+    if (limit - 1) // seq:
+        fixes.append(f"training.micro_batch_size to at most {(limit - 1) // seq * batch_ranks}")
+    step = 2 * par.cp if par.cp > 1 else 1
+    fixes.append(f"data.seq_len to at most {(limit - 1) // sequences * par.cp // step * step}")
+    raise ValueError(
+        f"parallel.pp={par.pp}: each pipeline's micro-batch holds training.micro_batch_size "
+        f"({micro}) / (parallel.dp * parallel.ep = {dp}*{par.ep}) = {sequences} sequences of "
+        f"data.seq_len ({seq_len}) / parallel.cp ({par.cp}) = {seq} tokens = "
+        f"{sequences * seq} tokens; the pipeline sends token counts as fp32, exact below "
+        f"2**24 ({limit}); lower {' or '.join(fixes)}"
+    )
 
 
 def _build(cls: type, values: dict[str, Any]) -> Any:

@@ -68,7 +68,7 @@ from mt_train.checkpoint import (
     misnamed_checkpoints,
     save_checkpoint,
 )
-from mt_train.config import JobConfig, family_of
+from mt_train.config import JobConfig, check_pipeline_micro_batch_tokens, family_of
 from mt_train.convert import (
     _init_source_kind,
     init_config_differences,
@@ -261,6 +261,7 @@ def setup(cfg: JobConfig) -> TrainState:
         seq_len=cfg.data.seq_len,
     )
     check_batch_split(cfg.training.global_batch_size, cfg.training.micro_batch_size, dims)
+    check_pipeline_micro_batch_tokens(cfg, dims.dp)  # the config could not when dp = -1
     if env.is_main:
         _warn_if_all_warmup(cfg)
         _warn_if_seq_len_exceeds_context(cfg)
