@@ -784,6 +784,74 @@ def test_cast_to_hub_dtype_frees_each_tensor_before_casting_the_next_and_leaves_
         assert tensors[key].dtype == want and torch.equal(tensors[key], tensor.to(want)), key
 
 
+def test_a_float16_gpt_oss_export_keeps_its_fp32_norms_through_load_hf_and_saves_back_the_same(
+    build_debug_model, tmp_path
+):
+    # mt-to-hf --dtype float16 writes GPT-OSS's RMSNorm weights in fp32, as transformers
+    # does; load_hf turned only routers back to fp32 and rounded the norms to float16, so
+    # saving the loaded model did not give the export back.
+    model = build_debug_model(family="gpt_oss")
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # norms off one, so that float16 would round them
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(0.1 * torch.randn(param.shape, generator=gen))
+    canonical = {k: v.detach().clone() for k, v in model.canonical_parameters().items()}
+    norms = {k: v.clone() for k, v in canonical.items() if k.endswith("norm.weight")}
+    assert all(not torch.equal(v, v.half().float()) for v in norms.values())
+    hf_io.cast_to_hub_dtype("gpt_oss", canonical, torch.float16)  # as mt-to-hf --dtype does
+    hf_io.save_hf_tensors(
+        "gpt_oss", model.config, canonical, tmp_path / "first", 2**30, torch.float16
+    )
+    assert {k for k, v in _stored_dtypes(tmp_path / "first").items() if v == "F32"} == set(norms)
+
+    loaded = load_hf(tmp_path / "first")
+    params = loaded.canonical_parameters()
+    for key, norm in norms.items():
+        assert params[key].dtype == torch.float32 and torch.equal(params[key], norm), key
+    assert {v.dtype for k, v in params.items() if k not in norms} == {torch.float16}
+    with torch.no_grad():  # the fp32 norms under float16 activations
+        logits = loaded(torch.arange(16).view(2, 8))
+    assert logits.dtype == torch.float16 and bool(logits.isfinite().all())
+    save_hf(loaded, tmp_path / "second")
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "second" / name).read_bytes() == (
+            tmp_path / "first" / name
+        ).read_bytes(), name
+
+
+def test_load_hf_keeps_fp32_only_the_router_and_norm_weights_stored_in_fp32(
+    build_debug_model, tmp_path
+):
+    # Routers and RMSNorms compute in fp32 whatever the activations' dtype, so any of them
+    # stored in fp32 stays fp32 (not only what transformers lists); a projection stored in
+    # fp32 takes the model's dtype: kept fp32 it would fail its bfloat16 matmul.
+    save_hf(build_debug_model(family="qwen3_moe").to(torch.bfloat16), tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    kept = ["model.norm.weight", "model.layers.0.self_attn.q_norm.weight",
+            "model.layers.1.input_layernorm.weight", "model.layers.0.mlp.gate.weight"]  # fmt: skip
+    cast = "model.layers.0.self_attn.o_proj.weight"
+    gen = torch.Generator().manual_seed(0)
+    for key in [*kept, cast]:  # fp32 values that bfloat16 cannot hold
+        tensors[key] = tensors[key].float() + 1e-3 * torch.randn(tensors[key].shape, generator=gen)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+
+    loaded = load_hf(tmp_path)
+    params = loaded.canonical_parameters()
+    for key in kept:
+        assert params[key].dtype == torch.float32 and torch.equal(params[key], tensors[key]), key
+    assert params[cast].dtype == torch.bfloat16
+    assert torch.equal(params[cast], tensors[cast].to(torch.bfloat16))
+    assert {v.dtype for k, v in params.items() if k not in kept} == {torch.bfloat16}
+    with torch.no_grad():
+        logits = loaded(torch.arange(16).view(2, 8))
+    assert logits.dtype == torch.bfloat16 and bool(logits.isfinite().all())
+    # An explicit dtype is every parameter's.
+    assert {p.dtype for p in load_hf(tmp_path, dtype=torch.bfloat16).parameters()} == {
+        torch.bfloat16
+    }
+
+
 def test_load_hf_into_fills_the_materialized_layers_and_skips_those_left_on_meta(
     build_debug_model, tmp_path, monkeypatch
 ):

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from mt_models.base import CausalLM, copy_whole_into
 from mt_models.hf_config import config_from_hf, config_to_hf, family_of_hf_config
+from mt_models.layers.norm import RMSNorm
 from mt_models.layers.router import TopKRouter
 from mt_models.mxfp4 import dequantize_mxfp4
 from mt_models.registry import MODEL_FAMILIES
@@ -464,9 +465,10 @@ def load_hf(
     Args:
         path: Directory with ``config.json`` and safetensors weights (sharded or not).
         dtype: Parameter dtype; None keeps the checkpoint's: its embedding's dtype, and
-            fp32 for router weights stored in fp32 (transformers keeps DeepSeek-V2's
-            ``gate.weight`` fp32 in a bfloat16 model and saves it so; routers compute in
-            fp32 anyway), so ``save_hf`` gives the checkpoint back.
+            fp32 for router and RMSNorm parameters stored in fp32 (``keep_stored_fp32``:
+            transformers keeps DeepSeek-V2's ``gate.weight`` fp32 in a bfloat16 or float16
+            model, GPT-OSS's norms in a float16 one, and saves them so), so ``save_hf``
+            gives the checkpoint back.
         device: Where the parameters live.
         progress: Called as ``progress(done, total)`` after each Hub tensor is read
             (``total`` Hub tensors in all), for a progress display.
@@ -474,7 +476,7 @@ def load_hf(
     Returns:
         The model, every parameter set from the checkpoint.
     """
-    keep_stored_routers = dtype is None
+    keep_stored = dtype is None
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise ValueError(
             f"dtype ({dtype!r}) must be a torch.dtype such as torch.bfloat16, or None for the "
@@ -494,29 +496,38 @@ def load_hf(
         with torch.device("meta"):
             model = MODEL_FAMILIES[hub.family][1](hub.config)
         model.to(dtype)  # on meta, so to_empty allocates the model once, in dtype
-        if keep_stored_routers:
-            keep_fp32_routers(model, {k for k, v in hub.headers.items() if v.dtype == "F32"})
+        if keep_stored:
+            keep_stored_fp32(model, {k for k, v in hub.headers.items() if v.dtype == "F32"})
         _check_against_model(path, hub.family, hub.hub_tensors, model.canonical_parameters())
         model.to_empty(device=device)
         hub.copy_into(model.canonical_parameters(), dtype, progress)
     return model
 
 
-def keep_fp32_routers(model: CausalLM, fp32_keys: set[str]) -> None:
-    """Turns (on meta) each router parameter stored in fp32 back to fp32.
+def keep_stored_fp32(model: CausalLM, fp32_keys: set[str]) -> None:
+    """Turns (on meta) each router and RMSNorm parameter stored in fp32 back to fp32 when
+    the model is in a lower dtype.
 
-    transformers keeps DeepSeek-V2's ``gate.weight`` fp32 in a bfloat16 model and saves it
-    so; a model cast whole to bfloat16 would round it and route otherwise.
+    transformers keeps some of them fp32 in a model of a lower dtype and saves them so
+    (``_KEEP_FP32``: DeepSeek-V2's ``gate.weight`` in bfloat16 and float16, GPT-OSS's
+    norms in float16); a model cast whole would round them (and route otherwise), and
+    saving it would not give the checkpoint back. Only these two kinds: both compute in
+    fp32 whatever the input's dtype and return it (``TopKRouter``; ``rms_norm`` takes an
+    fp32 weight with a half-precision ``x``, kernel or eager), while any other parameter
+    kept fp32 (a projection's weight, the embedding) would meet half-precision
+    activations in a matmul and fail; those take the model's dtype.
 
     Args:
         model: The meta-device model, already in the load dtype.
-        fp32_keys: Keys (Hub or canonical: router keys are the same in both) stored in fp32.
+        fp32_keys: Keys stored in fp32 (Hub or canonical: router and norm keys are the same
+            in both).
     """
     for prefix, module in model.named_modules():
-        if not isinstance(module, TopKRouter):
+        if not isinstance(module, (TopKRouter, RMSNorm)):
             continue
         for name, param in list(module.named_parameters(recurse=False)):
-            if f"{prefix}.{name}" in fp32_keys and param.dtype != torch.float32:
+            lower = param.is_floating_point() and param.element_size() < 4
+            if lower and f"{prefix}.{name}" in fp32_keys:
                 module.register_parameter(
                     name, torch.nn.Parameter(param.float(), requires_grad=param.requires_grad)
                 )

@@ -19,7 +19,7 @@ import torch
 
 from mt_data.tokenizer import load_tokenizer
 from mt_models import CausalLM, build_model
-from mt_models.hf_io import keep_fp32_routers
+from mt_models.hf_io import keep_stored_fp32
 from mt_train.checkpoint import load_model_weights
 from mt_train.convert import (
     checkpoint_model_config,
@@ -139,7 +139,8 @@ def load_checkpoint_model(
     checkpoint: str | Path, device: str = "cpu", model_config: Any = None
 ) -> CausalLM:
     """The model of an mt checkpoint, in eval mode: parameters in the embedding's dtype,
-    router weights stored in fp32 (a bfloat16 DeepSeek-V2 from transformers) in fp32.
+    router and RMSNorm parameters stored in fp32 (a bfloat16 DeepSeek-V2's routers, a
+    float16 GPT-OSS's norms, from transformers) in fp32 (`keep_stored_fp32`).
 
     The tensors are read straight into the model's (host or device memory holds the model
     once), after their keys and shapes are checked against its config.
@@ -160,9 +161,9 @@ def load_checkpoint_model(
     with torch.device("meta"):
         model = build_model(model_config)
     embed = stored.get("model.embed_tokens.weight")
-    # On meta, so to_empty allocates once; fp32 routers of a bfloat16 model stay fp32.
+    # On meta, so to_empty allocates once; fp32 routers and norms of a half model stay fp32.
     model.to(torch.float32 if embed is None else embed[1])  # none: a load error names it
-    keep_fp32_routers(model, {k for k, (_, dtype) in stored.items() if dtype == torch.float32})
+    keep_stored_fp32(model, {k for k, (_, dtype) in stored.items() if dtype == torch.float32})
     model.to_empty(device=device)
     load_model_weights(
         checkpoint,
