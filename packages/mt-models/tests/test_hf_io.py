@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 import weakref
 
 import pytest
@@ -850,6 +851,64 @@ def test_load_hf_keeps_fp32_only_the_router_and_norm_weights_stored_in_fp32(
     assert {p.dtype for p in load_hf(tmp_path, dtype=torch.bfloat16).parameters()} == {
         torch.bfloat16
     }
+
+
+# What transformers keeps (and saves) in fp32 in a model of a lower dtype, by family and
+# dtype, written out here rather than read from hf_io.
+_SAVED_FP32 = {
+    ("deepseek_v2", torch.bfloat16): r"^model\.layers\.\d+\.mlp\.gate\.weight$",
+    ("deepseek_v2", torch.float16): r"^model\.layers\.\d+\.mlp\.gate\.weight$",
+    ("gpt_oss", torch.float16): r"^model\.(norm|layers\.\d+\.(input|post_attention)_layernorm)\.",
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("family", sorted(MODEL_FAMILIES))
+def test_save_hf_dtype_writes_every_tensor_in_it_but_what_transformers_keeps_fp32(
+    build_debug_model, tmp_path, family, dtype
+):
+    # save_hf wrote the model's own dtypes only; mt-train convert mt-to-hf --dtype had the
+    # option (through save_hf_tensors), a model in memory did not.
+    model = build_debug_model(family=family)
+    with torch.no_grad():  # fp32 values that the dtype rounds, the norms included
+        for param in model.parameters():
+            param.add_(1e-3 * torch.randn(param.shape, generator=torch.Generator().manual_seed(0)))
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    save_hf(model, tmp_path / "fp32")
+    fp32 = load_file(tmp_path / "fp32" / "model.safetensors")
+    save_hf(model, tmp_path, dtype=dtype)
+    assert all(torch.equal(v, before[k]) for k, v in model.named_parameters())  # untouched
+    written = load_file(tmp_path / "model.safetensors")
+    assert sorted(written) == sorted(fp32)
+    kept = {k for k in fp32 if re.match(_SAVED_FP32.get((family, dtype), r"^$"), k)}
+    assert bool(kept) == ((family, dtype) in _SAVED_FP32)
+    for key, tensor in fp32.items():
+        assert tensor.dtype == torch.float32, key
+        if key in kept:
+            assert written[key].dtype == torch.float32 and torch.equal(written[key], tensor), key
+        else:
+            assert written[key].dtype == dtype and torch.equal(written[key], tensor.to(dtype)), key
+    name = str(dtype).removeprefix("torch.")
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == name
+    # Back in fp32 from the half model: every tensor fp32 and config.json says so.
+    save_hf(load_hf(tmp_path), tmp_path / "back", dtype=torch.float32)
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    assert all(back[k].dtype == torch.float32 and torch.equal(back[k], v.float())
+               for k, v in written.items())  # fmt: skip
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["dtype"] == "float32"
+
+
+def test_save_hf_refuses_a_dtype_it_cannot_write_before_touching_the_directory(
+    build_debug_model, tmp_path
+):
+    model = build_debug_model(family="qwen3_moe")
+    save_hf(model, tmp_path)
+    files = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    for dtype in ("bfloat16", torch.int8, torch.float64):
+        with pytest.raises(ValueError, match=rf"dtype \({re.escape(repr(dtype))}\) must be "
+                           r"torch.bfloat16, torch.float16 or torch.float32, or None"):  # fmt: skip
+            save_hf(model, tmp_path, dtype=dtype)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == files
 
 
 def test_load_hf_into_fills_the_materialized_layers_and_skips_those_left_on_meta(

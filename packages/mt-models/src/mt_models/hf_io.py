@@ -104,6 +104,10 @@ _HEADER_DTYPES = {
     "F8_E5M2": torch.float8_e5m2,
 }
 
+# Dtypes `save_hf` (and `mt-train convert mt-to-hf`) write on request; the Hub's checkpoints
+# come in these.
+EXPORT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
 # Hub keys transformers keeps in fp32 in a model of a lower dtype, and so saves in fp32: its
 # `_keep_in_fp32_modules_strict` (bfloat16 and float16) and `_keep_in_fp32_modules` (float16
 # alone) of models/<family>/modeling_<family>.py (transformers 5), patterns it searches for
@@ -595,12 +599,18 @@ def _family_of(model: CausalLM) -> str:
     return next(name for name, (_, cls) in MODEL_FAMILIES.items() if isinstance(model, cls))
 
 
-def save_hf(model: CausalLM, path: str | Path, max_shard_size: int = 5 * 2**30) -> None:
+def save_hf(
+    model: CausalLM,
+    path: str | Path,
+    max_shard_size: int = 5 * 2**30,
+    dtype: torch.dtype | None = None,
+) -> None:
     """Writes a Hub checkpoint directory that ``transformers`` loads.
 
     ``config.json`` (``rope_parameters`` and the older ``rope_theta`` + ``rope_scaling``) and
-    safetensors in the model's dtypes: ``model.safetensors`` when everything fits one shard,
-    else ``model-0000k-of-0000n.safetensors`` plus ``model.safetensors.index.json``. A tied
+    safetensors in the model's dtypes, or in ``dtype`` (as ``mt-train convert mt-to-hf
+    --dtype``): ``model.safetensors`` when everything fits one shard, else
+    ``model-0000k-of-0000n.safetensors`` plus ``model.safetensors.index.json``. A tied
     output head is not written (as transformers does). Files are written into ``path`` as
     they are made; a caller that needs all-or-nothing writes to a new directory and renames
     it (as ``mt-train convert mt-to-hf`` does). Weights of an earlier save into the same
@@ -612,12 +622,26 @@ def save_hf(model: CausalLM, path: str | Path, max_shard_size: int = 5 * 2**30) 
         model: A model of a family in ``MODEL_FAMILIES`` holding all experts.
         path: Output directory (created; earlier weights in it are replaced).
         max_shard_size: Largest shard in bytes (a tensor larger than it gets its own).
+        dtype: None writes each parameter in its own dtype, config.json naming the output
+            weight's; one of ``EXPORT_DTYPES`` writes every floating-point tensor in it and
+            names it in config.json, except what transformers keeps in fp32 in a model of
+            that dtype and saves so (DeepSeek-V2's router ``mlp.gate.weight`` in bfloat16 and
+            float16, GPT-OSS's RMSNorm weights in float16), written in fp32. The model is
+            not changed: the cast copies (on the model's device) are made before the first
+            file is written, so memory grows by the tensors whose dtype changes.
     """
+    if dtype is not None and dtype not in EXPORT_DTYPES:  # before anything is removed
+        raise ValueError(
+            f"dtype ({dtype!r}) must be torch.bfloat16, torch.float16 or torch.float32, or "
+            "None to write each parameter in its own dtype"
+        )
     family = _family_of(model)
     canonical = {k: v.detach() for k, v in model.canonical_parameters().items()}
-    save_hf_tensors(
-        family, model.config, canonical, Path(path), max_shard_size, model.output_weight.dtype
-    )
+    if dtype is None:
+        dtype = model.output_weight.dtype  # config.json's
+    else:  # replaces the dict's entries, not the parameters
+        cast_to_hub_dtype(family, canonical, dtype)
+    save_hf_tensors(family, model.config, canonical, Path(path), max_shard_size, dtype)
 
 
 def save_hf_tensors(

@@ -52,7 +52,7 @@ from mt_models import (
     save_hf_tensors,
 )
 from mt_models.configs import TRAINING_ONLY_FIELDS
-from mt_models.hf_io import Progress, cast_to_hub_dtype, read_hf_config
+from mt_models.hf_io import EXPORT_DTYPES, Progress, cast_to_hub_dtype, read_hf_config
 from mt_train.checkpoint import (
     FORMAT_VERSION,
     _rename_durably,
@@ -77,8 +77,6 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
 )
 _STATE_FILE = "train_state.json"
-# Dtypes `mt_to_hf` writes on request (the Hub's checkpoints come in these).
-EXPORT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _OTHER_CHECKPOINT = "give another checkpoint (an earlier step_N of the run, or convert again)"
 # ASCII digits only (\d also takes other scripts' digits); ".5" and "5." are numbers too.
 _SIZE = re.compile(r"^\s*(\d+\.?\d*|\.\d+)\s*((?:[KMGT]i?)?B)?\s*$", re.IGNORECASE | re.ASCII)
