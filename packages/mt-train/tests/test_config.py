@@ -123,6 +123,32 @@ def test_pipeline_micro_batch_of_2_24_tokens_per_rank_is_refused_before_any_work
     check_pipeline_micro_batch_tokens(cfg, dp=1)
 
 
+def test_setup_refuses_a_pipeline_micro_batch_of_2_24_tokens_with_dp_derived_before_any_work(
+    tmp_path, monkeypatch
+):
+    # parallel.dp=-1 leaves the split to the world size: setup checks once it knows it.
+    import torch
+
+    from mt_train import train
+    from mt_train.distributed import Env
+
+    def never(*args, **kwargs):
+        raise AssertionError("setup read data or built the model before refusing the layout")
+
+    world = Env(rank=0, world_size=16, local_rank=0, device=torch.device("cpu"))
+    monkeypatch.setattr(train, "init_distributed", lambda *args: world)
+    monkeypatch.setattr(train, "_open_datasets", never)
+    monkeypatch.setattr(train, "build_model", never)
+    overrides = ["model.num_hidden_layers=4", "training.global_batch_size=224",
+                 "parallel.pp=2", "parallel.ep=2", "parallel.cp=2", f"data.seq_len={2**22}",
+                 "training.micro_batch_size=32", f"run_dir={tmp_path / 'run'}",
+                 "training.device=cpu"]  # fmt: skip
+    cfg = resolve_config(get_recipe("tiny"), overrides=overrides)
+    with pytest.raises(ValueError, match=r"parallel.dp \* parallel.ep = 2\*2\) = 8 sequences"):
+        train.setup(cfg)  # 16 ranks / (pp*cp*ep = 8): dp = 2
+    assert not (tmp_path / "run").exists()
+
+
 def test_toml_file_adjusts_the_recipe_and_command_line_wins(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text('run_dir = "runs/t"\n[training]\nmax_steps = 9\nlr = 1\n')
