@@ -306,7 +306,8 @@ class ParallelConfig:
     Attributes:
         pp: pipeline-parallel size; > 1 runs mt-parallel's DualPipeV executor (with data,
             context and expert parallelism: world_size = pp·dp·cp·ep), at least 2·pp
-            micro-batches per step.
+            micro-batches per step, each pipeline's under 2**24 tokens (see
+            `check_pipeline_micro_batch_tokens`).
         dp: data-parallel (FSDP) size; -1 takes world_size // (pp·cp·ep).
         cp: context-parallel size (zigzag sequence chunks).
         ep: expert-parallel size; must divide the number of experts.
