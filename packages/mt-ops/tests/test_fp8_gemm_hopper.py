@@ -11,6 +11,7 @@ warpgroups and the loader warp; and for the quantizer, the layout property it ex
 
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -114,8 +115,22 @@ def test_every_variant_compiles_for_sm90_within_its_limits(compiled):
             assert "cp.async.bulk.tensor.2d.global.shared" in ptx  # the epilogue's TMA stores
 
 
+def _ptxas_registers_and_spills(ptx: str, tmp_path: Path) -> tuple[int, int]:
+    """Registers per thread and spill-store bytes ptxas reports for ``ptx`` (sm_90a)."""
+    source = tmp_path / "kernel.ptx"
+    source.write_text(ptx)
+    ptxas = str(PTXAS) if PTXAS.exists() else shutil.which("ptxas")
+    report = subprocess.run(
+        [ptxas, "--gpu-name", "sm_90a", "-v", str(source), "-o", str(tmp_path / "kernel.cubin")],
+        capture_output=True, text=True, check=True,
+    ).stderr  # fmt: skip
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))
+    spills = int(re.search(r"(\d+) bytes spill stores", report).group(1))
+    return registers, spills
+
+
 def test_dual_quantizer_compiles_for_sm90_without_byte_wide_shared_memory_traffic(
-    compiled, monkeypatch
+    compiled, monkeypatch, tmp_path
 ):
     # The launcher routes CUDA tensors on an sm_90 device here; CPU tensors stand in.
     monkeypatch.setattr(quant_gluon, "supported", lambda x: True)
@@ -130,6 +145,9 @@ def test_dual_quantizer_compiles_for_sm90_without_byte_wide_shared_memory_traffi
     for name, flags, kernel in compiled:
         assert name == "_dual_kernel"
         ptx = kernel.asm["ptx"]
+        # 3 programs per SM need <= 168 registers per thread, without spilling to reach it.
+        registers, spills = _ptxas_registers_and_spills(ptx, tmp_path)
+        assert registers <= quant_gluon.MAX_REGISTERS and spills == 0, (flags, registers, spills)
         assert "cvt.rn.satfinite.e4m3x2.f32" in ptx  # the in-register packing
         # The reason for the kernel: no fp8 bytes move through shared memory one at a time
         # (Triton's kernel: 156 such stores per warp and tile), only the column maxima.

@@ -28,10 +28,11 @@ for lack of device time), so the row scales stay row-major. Measured and not kep
 only, and a persistent kernel reading tiles through a 2-3 stage TMA ring (0.80x at one
 program per SM); grouping row tiles in the grid, 0.79-0.81x.
 
-With expert tiles (``tiles``) the gain is lost: a program first loads its tile's bounds, a
-dependent load in front of x's, and in DeepSeek-V2-Lite's FP8 MLP step (16k tokens, 64
-experts) x's quantization took 252 us, the Triton kernel's 251. Prefetching the bounds (a
-persistent grid walking the tiles) is the lever left, not yet measured.
+With expert tiles (``tiles``) the gain was lost: in DeepSeek-V2-Lite's FP8 MLP step (16k
+tokens, 64 experts) x's quantization took 252 us, the Triton kernel's 251. The compiled
+code differs by the two loads of the tile's bounds, but ptxas gave that variant 174
+registers per thread, 2 programs per SM instead of 3; ``MAX_REGISTERS`` now caps every
+variant at 168 (no spills). Its effect on the time is not measured yet.
 """
 
 from functools import cache
@@ -50,6 +51,11 @@ except ImportError:  # pragma: no cover - older Triton: the Triton kernel runs i
 __all__ = ["HAS_GLUON", "launch_dual", "supported"]
 
 _NUM_WARPS = 4
+# Registers per thread: 3 programs of 128 threads fill the H200's 65536 at 168 or fewer
+# (ptxas allocates in steps of 8). Left alone, ptxas gives the variants 168-184 (174 with
+# expert tiles, 180-184 with E8M0 scales), which leaves 2 programs per SM; capped, every
+# variant compiles to 168 without spills (test_fp8_gemm_hopper checks both).
+MAX_REGISTERS = 168
 if HAS_GLUON:
     # [32 row quads, 4 rows, 128 columns]: 2 quads × 4 rows × 16 columns per thread, lanes
     # 8 along quads × 4 along columns, warps 2 × 2.
@@ -168,5 +174,5 @@ def launch_dual(x_MK, q, s, qt, st, tile_start, tile_end, source_rows, row_weigh
         x_MK, q, s, qt.view(torch.int32), st, tile_start, tile_end, source_rows, row_weights,
         num_rows, num_cols, x_MK.stride(0), num_col_tiles,
         SEGMENTED=segmented, E8M0=e8m0, GATHER=gather, WEIGHTED=weighted,
-        num_warps=_NUM_WARPS,
+        num_warps=_NUM_WARPS, maxnreg=MAX_REGISTERS,
     )  # fmt: skip
