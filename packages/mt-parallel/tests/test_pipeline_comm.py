@@ -183,3 +183,19 @@ def test_a_schedule_for_another_pp_or_a_bad_pp_is_a_value_error():
         message_plan(dualpipev_schedule(3, 6), 2)
     with pytest.raises(ValueError, match=r"^message_plan: pp \(0\) must be an integer >= 1"):
         message_plan([], 0)
+
+
+def test_a_backward_before_its_own_forward_on_one_rank_is_a_value_error_naming_both():
+    # The last stage's backward starts from its loss, so no message orders it after its
+    # forward: the plan accepted it, and the executor failed on a missing saved forward.
+    schedule = dualpipev_schedule(2, 4)
+    actions = [str(a) for a in schedule[0]]
+    forward = actions.index("F1[0]")  # rank 0 holds stage 3, the last
+    backward = next(i for i, a in enumerate(actions) if "B1[0]" in a or "BW1[0]" in a)
+    assert forward < backward
+    schedule[0].insert(forward, schedule[0].pop(backward))
+    with pytest.raises(ValueError) as info:
+        message_plan(schedule, 2)
+    message = str(info.value)
+    assert message.startswith(f"message_plan (pp=2): rank 0 action {forward} ("), message
+    assert "before F1[0] of rank 0 (stage 3)" in message, message

@@ -30,7 +30,7 @@ from mt_parallel.dualpipev import (
     stage_of,
     stage_rank,
 )
-from mt_parallel.pipeline_sim import _check_action_types
+from mt_parallel.pipeline_sim import _check_action_types, _check_rank_order
 
 __all__ = ["ACTIVATION", "GRADIENT", "Message", "message_plan"]
 
@@ -114,14 +114,16 @@ def message_plan(schedule: Sequence[Sequence[Action]], pp: int) -> list[list[lis
 
     Raises:
         ValueError: `pp` is no integer >= 1, or `schedule` has another number of rank lists
-            or an action that is not DualPipeV's; an action sends a message twice, takes
-            one twice, or no action takes one sent; or the order deadlocks. The error
-            names pp, the rank, the action's position and the message.
+            or an action that is not DualPipeV's; an action comes before work of its own
+            rank that it needs (a B before its F, a W before its B); an action sends a
+            message twice, takes one twice, or no action takes one sent; or the order
+            deadlocks. The error names pp, the rank, the action's position and the message.
     """
     if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
         raise ValueError(f"message_plan: pp ({pp!r}) must be an integer >= 1 (pipeline ranks)")
-    try:  # one pass over the actions, once per micro-batch count
+    try:  # passes over the actions, once per micro-batch count
         _check_action_types(schedule, pp)
+        _check_rank_order(schedule, pp)
     except ValueError as err:
         raise ValueError(f"message_plan (pp={pp}): {err}") from None
     plan: list[list[list[Message]]] = [[] for _ in range(pp)]

@@ -115,6 +115,26 @@ def _check_action_types(schedule: Sequence[Sequence[Action]], pp: int) -> None:
                     )
 
 
+def _check_rank_order(schedule: Sequence[Sequence[Action]], pp: int) -> None:
+    """Raises ValueError when an action comes before work of its own rank that it needs (a
+    stage's B before its F, a W before its B, the V's bottom: stage pp's F before stage
+    pp−1's). Messages between ranks order the rest; these need none, so nothing else
+    would catch them before the executor does, with a less clear error. Work missing from
+    the rank altogether is left to the checks that name it missing."""
+    for r, actions in enumerate(schedule):
+        planned = {work for action in actions for work in _works(action, r, pp)}
+        done: set[_Work] = set()
+        for i, action in enumerate(actions):
+            for work in _works(action, r, pp):
+                for need in _needs(work, pp):
+                    if need in planned and need not in done:
+                        raise ValueError(
+                            f"rank {r} action {i} ({action}) runs {_describe(work, pp)} before "
+                            f"{_describe(need, pp)}, which it needs; move it after that one"
+                        )
+                done.add(work)
+
+
 def _check_actions(schedule: Sequence[Sequence[Action]], pp: int) -> None:
     """Raises ValueError for a foreign action, a missing one, or one run twice."""
     _check_action_types(schedule, pp)
