@@ -88,3 +88,24 @@ def test_the_command_refuses_a_negative_gap_threshold_or_kernel_count(tmp_path):
             [sys.executable, str(SCRIPT), str(path), *option], capture_output=True, text=True
         )
         assert result.returncode == 2 and option[0] in result.stderr, result.stderr
+
+
+def test_per_call_averages_each_call_of_repeated_steps_in_launch_order():
+    steps = [("quant", 10, 20), ("gemm", 40, 100), ("quant", 150, 30)]  # one step, offsets
+    trace = {
+        "traceEvents": [
+            _kernel(name, 1000 * i + ts, dur + i)  # step i runs each kernel i us longer
+            for i in range(3)
+            for name, ts, dur in steps
+        ]
+        + [_kernel("memset", 5, 1, cat="gpu_memset")]  # not a kernel
+    }
+    calls = _module().per_call(trace, 3)
+    assert calls == [("quant", 21.0), ("gemm", 101.0), ("quant", 31.0)]
+    broken = {"traceEvents": trace["traceEvents"][:-2]}  # the last step lost a kernel
+    with pytest.raises(ValueError, match="do not split into 3 runs"):
+        _module().per_call(broken, 3)
+    swapped = {"traceEvents": [dict(e) for e in trace["traceEvents"]]}
+    swapped["traceEvents"][3]["name"] = "other"  # step 1 launched another kernel first
+    with pytest.raises(ValueError, match="one step's sequence"):
+        _module().per_call(swapped, 3)

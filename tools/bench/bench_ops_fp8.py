@@ -24,8 +24,12 @@ Run: ``PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python3 tools/bench/bench
 """
 
 import argparse
+import json
+import tempfile
+from pathlib import Path
 
 import torch
+from trace_summary import per_call
 from triton.testing import do_bench
 
 import mt_ops.fp8_gemm as fp8_gemm
@@ -361,6 +365,23 @@ def grouped_gemms(name: str, num_tokens: int, skewed: bool) -> None:
 
 
 PROFILE = False
+PROFILE_STEPS = 10
+
+
+def _kernels_per_call(run) -> list[tuple[str, float]]:
+    """``run``'s kernels in launch order with their mean durations over PROFILE_STEPS
+    back-to-back runs (traced after warm-up runs; trace_summary.per_call)."""
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(PROFILE_STEPS):
+            run()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return per_call(json.loads(path.read_text()), PROFILE_STEPS)
 SECTIONS = ("sweep", "variants", "quant", "dense", "grouped", "mlp", "block")
 
 
@@ -466,14 +487,11 @@ def expert_mlp(name: str, num_tokens: int, skewed: bool) -> None:
     ms_other = bench_ms(lambda: fused_step(fp8))  # the other SwiGLU-backward choice
     config["bwd_fused"] = not config["bwd_fused"]
     if not skewed and PROFILE:
-        for label, fn in (("modules", step), ("fused", fused_step)):
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                fn(fp8)
-                torch.cuda.synchronize()
-            print(f"profile of one FP8 {label} MLP step ({name}, balanced):")
-            print(prof.key_averages().table(
-                sort_by="cuda_time_total", row_limit=16, max_name_column_width=60
-            ))  # fmt: skip
+        for label, fn, projs in (("fp8 fused", fused_step, fp8), ("bf16", step, bf16)):
+            calls = _kernels_per_call(lambda fn=fn, projs=projs: fn(projs))
+            print(f"{name} balanced {label} MLP step, kernels per call (us, mean of "
+                  f"{PROFILE_STEPS} back-to-back steps), {sum(t for _, t in calls):.0f} us in "
+                  "all: " + " ".join(f"{n[:24]}={t:.0f}" for n, t in calls))  # fmt: skip
     print(
         f"{name:17s} {'skewed' if skewed else 'balanced':8s} expert MLP fwd+bwd T={num_tokens}: "
         f"bf16 {ms_bf16:6.2f} ms ({flops / ms_bf16 / 1e9:4.0f} TFLOP/s) | fp8 modules "
@@ -500,7 +518,11 @@ def main() -> None:
         help=f"comma-separated subset of: {','.join(SECTIONS)}",
     )
     parser.add_argument("--skip-sweep", action="store_true", help="same as leaving out 'sweep'")
-    parser.add_argument("--profile", action="store_true", help="print profiler tables of the MLP")
+    parser.add_argument(
+        "--profile", action="store_true",
+        help="mlp section: print each kernel of the balanced FP8 (fused) and BF16 steps with "
+        f"its mean time over {PROFILE_STEPS} back-to-back steps",
+    )  # fmt: skip
     args = parser.parse_args()
     if unknown := sorted(set(args.sections.split(",")) - set(SECTIONS)):
         parser.error(f"--sections: unknown {unknown}; pick from {','.join(SECTIONS)}")

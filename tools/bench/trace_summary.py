@@ -89,6 +89,41 @@ def summarize(trace: dict, gap_threshold_us: float = 200.0) -> Summary:
     return Summary(covered_until - start, busy, len(events), by_name, sorted(gaps, reverse=True))
 
 
+def per_call(trace: dict, repeats: int) -> list[tuple[str, float]]:
+    """The kernels of one of ``repeats`` identical back-to-back steps, in launch order, each
+    with its duration averaged over the steps (microseconds).
+
+    Args:
+        trace: a Chrome trace of exactly ``repeats`` runs of the same step.
+        repeats: how many times the step ran.
+
+    Returns:
+        (kernel name, mean duration) per call of one step.
+
+    Raises:
+        ValueError: the kernels do not split into ``repeats`` runs of the same sequence.
+    """
+    events = trace.get("traceEvents", [])
+    kernels = sorted(
+        (e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"),
+        key=lambda e: e["ts"],
+    )
+    per_step, rest = divmod(len(kernels), repeats)
+    names = [e["name"] for e in kernels[:per_step]]
+    if rest or not per_step or any(
+        [e["name"] for e in kernels[i * per_step : (i + 1) * per_step]] != names
+        for i in range(1, repeats)
+    ):
+        raise ValueError(
+            f"{len(kernels)} kernels do not split into {repeats} runs of one step's sequence; "
+            "trace whole steps, each launching the same kernels"
+        )
+    return [
+        (names[j], sum(kernels[i * per_step + j]["dur"] for i in range(repeats)) / repeats)
+        for j in range(per_step)
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("trace", type=Path, help="a profiler trace (Chrome-trace JSON)")
