@@ -41,7 +41,6 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
-from mt_ops import fp8_quant_gluon
 from mt_ops._counts import check_counts
 from mt_ops._triton import cdiv, launch, tl, triton, use_kernels
 
@@ -467,6 +466,8 @@ def _launch_1x128(x_MK, tiles, rowwise, colwise, scale_format, source_rows=None,
     num_row_tiles = tiles.num_tiles if segmented else cdiv(num_rows, BLOCK)
     qt, st = _transposed_outputs(num_row_tiles, num_cols, scale_format, dev)
     dummy = torch.empty(1, dtype=torch.int32, device=dev)  # never read (no kernel to fill it)
+    from mt_ops import fp8_quant_gluon  # noqa: PLC0415 - it builds on this module's helpers
+
     if rowwise and cfg["dual_gluon"] and fp8_quant_gluon.supported(x_MK):
         if num_row_tiles * num_col_tiles > 0:
             fp8_quant_gluon.launch_dual(

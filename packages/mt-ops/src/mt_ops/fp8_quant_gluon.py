@@ -45,6 +45,10 @@ from functools import cache
 import torch
 from torch import Tensor
 
+# Shared with the Triton kernels (a Gluon kernel may call a @triton.jit function): the
+# power-of-two exponent of mt_ops.fp8_quant's docstring and the fp32 / E8M0 scale store.
+from mt_ops.fp8_quant import _pow2_exponent_tl, _store_scale
+
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -83,20 +87,6 @@ def supported(x: Tensor) -> bool:
 
 
 if HAS_GLUON:
-
-    @gluon.jit
-    def _exponent(amax):
-        """k of mt_ops.fp8_quant's module docstring, from the fp32 bits of ``amax``."""
-        bits = amax.to(gl.int32, bitcast=True)
-        k = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(gl.int32)
-        return gl.where(amax == 0.0, 0, gl.maximum(k, -126))
-
-    @gluon.jit
-    def _store_scale(ptr, offs, k, mask, E8M0: gl.constexpr):
-        if E8M0:
-            gl.store(ptr + offs, (k + 127).to(gl.uint8), mask=mask)
-        else:
-            gl.store(ptr + offs, ((k + 127) << 23).to(gl.float32, bitcast=True), mask=mask)
 
     @gluon.jit
     def _pack4(a, b, c, d):
@@ -143,14 +133,14 @@ if HAS_GLUON:
             x = (w[:, :, None] * x.to(gl.float32)).to(x_ptr.dtype.element_ty)
         x = x.to(gl.float32)
         # Rows: 1×128 scales.
-        k = _exponent(gl.max(gl.abs(x), axis=2))  # [32, 4]
+        k = _pow2_exponent_tl(gl.max(gl.abs(x), axis=2))  # [32, 4]
         q = x * ((127 - k) << 23).to(gl.float32, bitcast=True)[:, :, None]
         gl.store(q_ptr + rows64[:, :, None] * num_cols + cols[None, None, :],
                  q.to(q_ptr.dtype.element_ty), mask=mask)  # fmt: skip
         _store_scale(s_ptr, rows64 * num_col_tiles + pid_k, k, row_ok, E8M0)
         # Columns: 128×1 scales of the tile; rows past its end hold 0 and are written as the
         # padding of qt[pid_m] (tile-major [T, K, 128], viewed as int32 [T, K, 32]).
-        kc = _exponent(gl.max(gl.max(gl.abs(x), axis=1), axis=0))  # [128]
+        kc = _pow2_exponent_tl(gl.max(gl.max(gl.abs(x), axis=1), axis=0))  # [128]
         y = x * ((127 - kc) << 23).to(gl.float32, bitcast=True)[None, None, :]
         y = gl.reshape(gl.permute(y, (0, 2, 1)), (32, 128, 2, 2))  # row 4i + 2a + b
         even, odd = gl.split(y)  # b = 0 and b = 1
