@@ -10,6 +10,7 @@ import mt_ops.fp8_gemm as gemm_module
 from mt_ops.fp8_gemm import (
     fp8_backend,
     fp8_grouped_gemm,
+    fp8_grouped_gemm_pair,
     fp8_grouped_gemm_reference,
     fp8_grouped_gemm_sum,
     fp8_grouped_gemm_sum_reference,
@@ -429,3 +430,56 @@ def test_gpu_hopper_kernels_take_the_grouped_products(monkeypatch):
     fp8_grouped_gemm(p["xq"], p["wq"], p["tiles"], backend="triton")
     fp8_grouped_wgrad(p["dyqt"], p["xqt"], p["tiles"], backend="triton")
     assert calls == ["grouped_gemm", "grouped_wgrad"]
+
+
+@pytest.mark.parametrize("paired_kernel", [False, True])
+def test_gemm_pair_equals_two_gemms_and_takes_the_paired_kernel_when_on(monkeypatch, paired_kernel):
+    p = _problem([0, 130, 61], 256, 256)
+    gen = torch.Generator().manual_seed(9)
+    w2 = torch.randn(3, 256, 256, generator=gen) / 16
+    (wq2, _) = quantize_128x128(w2)
+    expected = [fp8_grouped_gemm(p["xq"], w, p["tiles"]) for w in (p["wq"], wq2)]
+    got = fp8_grouped_gemm_pair(p["xq"], p["wq"], wq2, p["tiles"])  # emulation on CPU
+    assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+    calls = []
+    monkeypatch.setitem(gemm_module.HOPPER, "pair", paired_kernel)
+    monkeypatch.setattr(gemm_module, "fp8_backend", lambda device, backend=None: "triton")
+    monkeypatch.setattr(gemm_module, "_use_hopper", lambda *operands, out: True)
+    monkeypatch.setattr(
+        gemm_module.fp8_gemm_hopper, "grouped_gemm_pair",
+        lambda a, b, b2, tiles, out, out2: calls.append("pair") or (out, out2),
+    )  # fmt: skip
+    monkeypatch.setattr(
+        gemm_module.fp8_gemm_hopper, "grouped_gemm",
+        lambda a, b, tiles, out, second=None: calls.append("single") or out,
+    )  # fmt: skip
+    fp8_grouped_gemm_pair(p["xq"], p["wq"], wq2, p["tiles"])
+    assert calls == (["pair"] if paired_kernel else ["single", "single"])
+    (narrow, _) = quantize_128x128(w2[:, :128].contiguous())
+    with pytest.raises(ValueError, match="paired weights"):
+        fp8_grouped_gemm_pair(p["xq"], p["wq"], narrow, p["tiles"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="needs a Hopper GPU",
+)
+@pytest.mark.parametrize("counts", [[1536] * 4, [0, 700, 300, 1, 1047]])  # N: 1408 and 768
+def test_gpu_paired_kernel_equals_two_gemms_bit_for_bit(monkeypatch, counts):
+    monkeypatch.setitem(gemm_module.HOPPER, "pair", True)
+    paired = []
+    kernel = gemm_module.fp8_gemm_hopper.grouped_gemm_pair
+    monkeypatch.setattr(gemm_module.fp8_gemm_hopper, "grouped_gemm_pair",
+                        lambda *args: paired.append(1) or kernel(*args))  # fmt: skip
+    for n_dim in (1408, 768, 1400):  # 1400: a last 128-column block that is partly past N
+        p = _problem(counts, 2048, n_dim, device="cuda")
+        gen = torch.Generator().manual_seed(9)
+        w2 = (torch.randn(len(counts), n_dim, 2048, generator=gen) / 45).cuda()
+        (wq2, _) = quantize_128x128(w2)
+        for out_dtype in (torch.bfloat16, torch.float32):
+            got = fp8_grouped_gemm_pair(p["xq"], p["wq"], wq2, p["tiles"], out_dtype=out_dtype)
+            for g, w in zip(got, (p["wq"], wq2), strict=True):
+                expected = fp8_grouped_gemm(p["xq"], w, p["tiles"], out_dtype=out_dtype)
+                assert torch.equal(g, expected), (counts, n_dim, out_dtype)
+    assert len(paired) == 6  # the paired kernel ran each time, not two plain GEMMs

@@ -92,6 +92,7 @@ def test_every_variant_compiles_for_sm90_within_its_limits(compiled):
         out = torch.empty(rows, n_dim, dtype=out_dtype)
         hopper.grouped_gemm(a, b, tiles, out)
         hopper.grouped_gemm(a, b, tiles, out, second=(a, b))
+        hopper.grouped_gemm_pair(a, b, b, tiles, out, torch.empty_like(out))
     num_tiles = tiles.num_tiles
     a_t = Fp8Quantized(torch.zeros(num_tiles, n_dim, 128, dtype=fp8), torch.ones(num_tiles, n_dim))
     b_t = Fp8Quantized(torch.zeros(num_tiles, k_dim, 128, dtype=fp8), torch.ones(num_tiles, k_dim))
@@ -102,7 +103,7 @@ def test_every_variant_compiles_for_sm90_within_its_limits(compiled):
     hopper.grouped_wgrad(a_t, b_t, tiles, torch.empty(groups, n_dim, k_dim), True)
 
     seen = {(name, tuple(sorted(flags.items()))) for name, flags, _ in compiled}
-    assert len(seen) == 7  # 4 fprop/dgrad variants (second pair, TMA store), 3 wgrad
+    assert len(seen) == 9  # 6 fprop/dgrad variants (second pair or paired, TMA store), 3 wgrad
     for name, flags, kernel in compiled:
         ptx = kernel.asm["ptx"]
         assert kernel.metadata.shared <= SM90_MAX_SHARED, (name, flags, kernel.metadata.shared)

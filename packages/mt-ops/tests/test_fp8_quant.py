@@ -293,7 +293,8 @@ def test_quantization_kernels_are_bit_exact_against_reference_on_gpu(
                 r, c = bad[0].tolist()
                 detail.append(float(x[r, c].float() / scale_to_float(ref.scale)[r, c // 128]))
             assert bad.shape[0] == 0, f"{bad.shape[0]} of {got_bits.numel()} differ: {detail}"
-    expect_gluon = dual_gluon and quant_gluon.supported(x) and shape[0] > 0
+    # Row tiles of an empty x still launch: their tile slots hold zero padding.
+    expect_gluon = dual_gluon and quant_gluon.supported(x)
     assert bool(gluon_launches) == expect_gluon, (dual_gluon, len(gluon_launches))
     rows = quantize_1x128(x, scale_format=scale_format)  # the rows-only kernel
     ref = quantize_1x128_reference(x, scale_format=scale_format)

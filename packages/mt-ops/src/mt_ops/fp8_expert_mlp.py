@@ -42,7 +42,12 @@ from torch import Tensor
 
 from mt_ops._triton import use_kernels
 from mt_ops.deferred_wgrad import weight_grad_or_defer
-from mt_ops.fp8_gemm import fp8_grouped_gemm, fp8_grouped_gemm_sum, fp8_grouped_wgrad
+from mt_ops.fp8_gemm import (
+    fp8_grouped_gemm,
+    fp8_grouped_gemm_pair,
+    fp8_grouped_gemm_sum,
+    fp8_grouped_wgrad,
+)
 from mt_ops.fp8_linear import FP8GroupedLinear, QuantizedWeight, _autocast_input, _weight_source
 from mt_ops.fp8_quant import Fp8Quantized, RowTiles, quantize_1x128_dual, row_tiles
 from mt_ops.fp8_swiglu import swiglu_backward_quantize_1x128, swiglu_quantize_1x128
@@ -84,8 +89,9 @@ def _experts_forward(ctx, x_q, x_qt, tiles: RowTiles, projs: _Projections, dtype
     down = projs.down
     backend = down.backend
     qgate, qup, qdown = (projs.quantized(m) for m in (projs.gate, projs.up, down))
-    gate_RF = fp8_grouped_gemm(x_q, qgate.blocks, tiles, out_dtype=dtype, backend=backend)
-    up_RF = fp8_grouped_gemm(x_q, qup.blocks, tiles, out_dtype=dtype, backend=backend)
+    gate_RF, up_RF = fp8_grouped_gemm_pair(
+        x_q, qgate.blocks, qup.blocks, tiles, out_dtype=dtype, backend=backend
+    )
     h_q, h_qt = swiglu_quantize_1x128(gate_RF, up_RF, tiles=tiles, scale_format=down.scale_format)
     y_RD = fp8_grouped_gemm(h_q, qdown.blocks, tiles, out_dtype=dtype, backend=backend)
     ctx.num_rows, ctx.projs, ctx.qweights = tiles.num_rows, projs, (qgate, qup, qdown)

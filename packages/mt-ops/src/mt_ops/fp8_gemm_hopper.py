@@ -214,12 +214,14 @@ if HAS_GLUON:
     # --- fprop / dgrad ----------------------------------------------------------------------
 
     @gluon.jit
-    def _gemm_loader(p, HAS_SECOND: gl.constexpr):
+    def _gemm_loader(p, HAS_SECOND: gl.constexpr, PAIRED: gl.constexpr):
         (a_desc, b_desc, a2_desc, b2_desc, a_bufs, b_bufs, ready, empty, sa_ptr, sb_ptr,
          sa2_ptr, sb2_ptr, c_ptr, c_desc, c_bufs, tile_start_ptr, tile_end_ptr, tile_group_ptr,
          N, num_k1, num_k2, num_n_scale, num_n_blocks, num_tiles, num_groups,
-         num_programs) = p  # fmt: skip
-        nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+         num_programs, c2_ptr, c2_desc) = p  # fmt: skip
+        # PAIRED: B's [256, 128] stage holds 128 rows of each weight ([128, 128] blocks).
+        B_LOADS: gl.constexpr = 2 if PAIRED else 1
+        nbytes: gl.constexpr = a_desc.block_type.nbytes + B_LOADS * b_desc.block_type.nbytes
         total = num_tiles * num_n_blocks
         i = 0
         g, row_start, _ = _tile_meta(tile_start_ptr, tile_end_ptr, tile_group_ptr,
@@ -230,7 +232,19 @@ if HAS_GLUON:
                 tile_start_ptr, tile_end_ptr, tile_group_ptr, pid + num_programs,
                 num_n_blocks, total, num_groups,
             )  # fmt: skip
-            if g < num_groups:  # tile slots past the last group are unused
+            if PAIRED and g < num_groups:  # the same 128 rows of both weights
+                b_row = g * N + pid_n * BLOCK
+                for kb in range(num_k1):
+                    s, bar = _claim_free_stage(ready, empty, i, nbytes)
+                    stage = b_bufs.index(s)
+                    tma.async_copy_global_to_shared(a_desc, [row_start, kb * BLOCK], bar,
+                                                    a_bufs.index(s))  # fmt: skip
+                    tma.async_copy_global_to_shared(b_desc, [b_row, kb * BLOCK], bar,
+                                                    stage.slice(0, BLOCK))  # fmt: skip
+                    tma.async_copy_global_to_shared(b2_desc, [b_row, kb * BLOCK], bar,
+                                                    stage.slice(BLOCK, BLOCK))  # fmt: skip
+                    i += 1
+            elif g < num_groups:  # tile slots past the last group are unused
                 b_row = g * N + pid_n * BLOCK_N  # B viewed as [G·N, K]
                 for kb in range(num_k1 + num_k2):
                     s, bar = _claim_free_stage(ready, empty, i, nbytes)
@@ -264,11 +278,11 @@ if HAS_GLUON:
 
     @gluon.jit
     def _gemm_consumer(p, CID: gl.constexpr, HAS_SECOND: gl.constexpr,
-                       TMA_STORE: gl.constexpr):  # fmt: skip
+                       TMA_STORE: gl.constexpr, PAIRED: gl.constexpr):  # fmt: skip
         (a_desc, b_desc, a2_desc, b2_desc, a_bufs, b_bufs, ready, empty, sa_ptr, sb_ptr,
          sa2_ptr, sb2_ptr, c_ptr, c_desc, c_bufs, tile_start_ptr, tile_end_ptr, tile_group_ptr,
          N, num_k1, num_k2, num_n_scale, num_n_blocks, num_tiles, num_groups,
-         num_programs) = p  # fmt: skip
+         num_programs, c2_ptr, c2_desc) = p  # fmt: skip
         mma: gl.constexpr = MMA_LAYOUT
         row_l: gl.constexpr = gl.SliceLayout(1, mma)
         part = gl.zeros([64, BLOCK], gl.float32, mma)
@@ -286,7 +300,9 @@ if HAS_GLUON:
                 num_n_blocks, total, num_groups,
             )  # fmt: skip
             if g < num_groups:
-                n_block = pid_n * 2 + CID  # this warpgroup's 128 columns: one B scale block
+                # This warpgroup's 128 columns: one B scale block (PAIRED: of its own weight,
+                # the same columns as the other warpgroup's).
+                n_block = pid_n if PAIRED else pid_n * 2 + CID
                 sb_row = g * num_n_scale + n_block
                 sb_ok = n_block < num_n_scale
                 rows = row_start + gl.arange(0, 64, layout=row_l)
@@ -294,8 +310,11 @@ if HAS_GLUON:
                 ok1 = rows + 64 < row_end
                 acc0 = gl.zeros([64, BLOCK], gl.float32, mma)
                 acc1 = gl.zeros([64, BLOCK], gl.float32, mma)
+                sb_p = sb_ptr
+                if PAIRED and CID == 1:
+                    sb_p = sb2_ptr
                 sa0_next, sa1_next, sb_next = _step_scales(
-                    sa_ptr, sb_ptr, sa2_ptr, sb2_ptr, rows, ok0, ok1, sb_row, sb_ok, 0, True,
+                    sa_ptr, sb_p, sa2_ptr, sb2_ptr, rows, ok0, ok1, sb_row, sb_ok, 0, True,
                     num_k1, num_k2, HAS_SECOND,
                 )  # fmt: skip
                 for kb in range(num_steps):
@@ -303,7 +322,7 @@ if HAS_GLUON:
                     sa0, sa1, sb = sa0_next, sa1_next, sb_next
                     # The next step's scales load while this step's products run.
                     sa0_next, sa1_next, sb_next = _step_scales(
-                        sa_ptr, sb_ptr, sa2_ptr, sb2_ptr, rows, ok0, ok1, sb_row, sb_ok, kb + 1,
+                        sa_ptr, sb_p, sa2_ptr, sb2_ptr, rows, ok0, ok1, sb_row, sb_ok, kb + 1,
                         kb + 1 < num_steps, num_k1, num_k2, HAS_SECOND,
                     )  # fmt: skip
                     mbarrier.wait(ready.index(s), (i // STAGES) & 1)
@@ -318,19 +337,27 @@ if HAS_GLUON:
                     acc1 += part * (sa1 * sb)[:, None]
                     i += 1
                 col0 = pid_n * BLOCK_N + CID * BLOCK
+                out_desc = c_desc
+                out_ptr = c_ptr
+                if PAIRED:  # warpgroup 1 writes the second weight's product
+                    col0 = pid_n * BLOCK
+                    if CID == 1:
+                        out_desc = c2_desc
+                        out_ptr = c2_ptr
                 if TMA_STORE and row_end - row_start == BLOCK:
                     # A whole tile: asynchronous stores that overlap the next tile's loop
                     # (columns past N are clipped), once the last ones have read the buffers.
-                    _tma_store_halves(c_desc, c_bufs, acc0, acc1, row_start, col0, CID)
+                    _tma_store_halves(out_desc, c_bufs, acc0, acc1, row_start, col0, CID)
                 else:  # masked: a group's last rows must not touch the next group's
                     out_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
                     cols = col0 + gl.arange(0, BLOCK, layout=gl.SliceLayout(0, out_l))
                     col_ok = cols < N
                     out_rows = row_start + gl.arange(0, 64, layout=gl.SliceLayout(1, out_l))
-                    c0 = c_ptr + out_rows.to(gl.int64)[:, None] * N + cols[None, :]
-                    gl.store(c0, gl.convert_layout(acc0.to(c_ptr.dtype.element_ty), out_l),
+                    c0 = out_ptr + out_rows.to(gl.int64)[:, None] * N + cols[None, :]
+                    gl.store(c0, gl.convert_layout(acc0.to(out_ptr.dtype.element_ty), out_l),
                              mask=(out_rows < row_end)[:, None] & col_ok[None, :])  # fmt: skip
-                    gl.store(c0 + 64 * N, gl.convert_layout(acc1.to(c_ptr.dtype.element_ty), out_l),
+                    gl.store(c0 + 64 * N,
+                             gl.convert_layout(acc1.to(out_ptr.dtype.element_ty), out_l),
                              mask=(out_rows + 64 < row_end)[:, None] & col_ok[None, :])  # fmt: skip
             g, row_start, row_end = g_next, start_next, end_next
         if TMA_STORE:
@@ -341,21 +368,23 @@ if HAS_GLUON:
         a_desc, b_desc, a2_desc, b2_desc, c_desc, sa_ptr, sb_ptr, sa2_ptr, sb2_ptr, c_ptr,
         tile_start_ptr, tile_end_ptr, tile_group_ptr,
         N, num_k1, num_k2, num_n_scale, num_n_blocks, num_tiles, num_groups, num_programs,
-        HAS_SECOND: gl.constexpr, TMA_STORE: gl.constexpr,
+        c2_ptr, c2_desc,
+        HAS_SECOND: gl.constexpr, TMA_STORE: gl.constexpr, PAIRED: gl.constexpr,
     ):  # fmt: skip
         a_bufs = _ring(a_desc)
-        b_bufs = _ring(b_desc)
+        # [STAGES, 256, 128] whether B's block is [256, 128] or (PAIRED) two [128, 128]
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK], b_desc.layout)
         c_bufs = _store_staging(c_desc, TMA_STORE)
         ready, empty = _stage_barriers()
         p = (a_desc, b_desc, a2_desc, b2_desc, a_bufs, b_bufs, ready, empty, sa_ptr, sb_ptr,
              sa2_ptr, sb2_ptr, c_ptr, c_desc, c_bufs, tile_start_ptr, tile_end_ptr,
              tile_group_ptr, N, num_k1, num_k2, num_n_scale, num_n_blocks, num_tiles,
-             num_groups, num_programs)  # fmt: skip
+             num_groups, num_programs, c2_ptr, c2_desc)  # fmt: skip
         gl.warp_specialize(
             [
-                (_gemm_consumer, (p, 0, HAS_SECOND, TMA_STORE)),
-                (_gemm_consumer, (p, 1, HAS_SECOND, TMA_STORE)),
-                (_gemm_loader, (p, HAS_SECOND)),
+                (_gemm_consumer, (p, 0, HAS_SECOND, TMA_STORE, PAIRED)),
+                (_gemm_consumer, (p, 1, HAS_SECOND, TMA_STORE, PAIRED)),
+                (_gemm_loader, (p, HAS_SECOND, PAIRED)),
             ],
             [4, 1],
             [CONSUMER_REGS, LOADER_REGS],
@@ -518,9 +547,36 @@ def grouped_gemm(a, b, tiles, out: Tensor, second=None) -> Tensor:
         tiles.start_T, tiles.end_T, tiles.group_T,
         n_dim, triton.cdiv(k_dim, _BLOCK), triton.cdiv(k2_dim, _BLOCK) if second else 0,
         triton.cdiv(n_dim, _BLOCK), num_n_blocks, tiles.num_tiles, num_groups, num_programs,
-        HAS_SECOND=second is not None, TMA_STORE=tma_store, num_warps=4,
+        out, _out_descriptor(out),
+        HAS_SECOND=second is not None, TMA_STORE=tma_store, PAIRED=False, num_warps=4,
     )  # fmt: skip
     return out
+
+
+def grouped_gemm_pair(a, b, b2, tiles, out: Tensor, out2: Tensor) -> tuple[Tensor, Tensor]:
+    """Writes ``out`` = A @ B[g]ᵀ and ``out2`` = A @ B2[g]ᵀ per row tile (a layer's gate and
+    up projections of the same rows) in one kernel: each program computes the same 128
+    columns of both, one per consumer warpgroup, reading A once. Same bits as two
+    :func:`grouped_gemm` calls. The caller checks :func:`supported` for both products."""
+    num_rows, k_dim = a.data.shape
+    num_groups, n_dim, _ = b.data.shape
+    num_n_blocks = triton.cdiv(n_dim, _BLOCK)
+    total = tiles.num_tiles * num_n_blocks
+    num_programs = max(1, min(total, num_sms(a.data.device)))
+    tma_store = out.element_size() == 2
+    b_desc = _fp8_descriptor(b.data.view(-1, k_dim), _BLOCK)
+    _launch(
+        _grouped_gemm_kernel, (num_programs,),
+        _fp8_descriptor(a.data, _BLOCK), b_desc,
+        _fp8_descriptor(a.data, _BLOCK), _fp8_descriptor(b2.data.view(-1, k_dim), _BLOCK),
+        _out_descriptor(out), a.scale, b.scale, a.scale, b2.scale, out,
+        tiles.start_T, tiles.end_T, tiles.group_T,
+        n_dim, triton.cdiv(k_dim, _BLOCK), 0,
+        triton.cdiv(n_dim, _BLOCK), num_n_blocks, tiles.num_tiles, num_groups, num_programs,
+        out2, _out_descriptor(out2),
+        HAS_SECOND=False, TMA_STORE=tma_store, PAIRED=True, num_warps=4,
+    )  # fmt: skip
+    return out, out2
 
 
 def _flat_scale_descriptor(scale: Tensor, block: int):
