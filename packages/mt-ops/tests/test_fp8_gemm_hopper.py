@@ -80,7 +80,7 @@ def _expected_tx(name: str) -> int:
     return a_tile + b_tile + (scale_rows if name == "_grouped_wgrad_kernel" else 0)
 
 
-def test_every_variant_compiles_for_sm90_within_its_limits(compiled):
+def test_every_variant_compiles_for_sm90_within_its_limits(compiled, tmp_path):
     rows, k_dim, n_dim, groups = 1024, 768, 2048, 8
     tiles = row_tiles(torch.full((groups,), rows // groups), rows)
     fp8 = torch.float8_e4m3fn
@@ -114,6 +114,10 @@ def test_every_variant_compiles_for_sm90_within_its_limits(compiled):
         assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
         if flags.get("TMA_STORE"):
             assert "cp.async.bulk.tensor.2d.global.shared" in ptx  # the epilogue's TMA stores
+        if name == "_grouped_wgrad_kernel" and not flags["ACCUMULATE"]:
+            # The K step reads B's column scales after each product instead of holding them
+            # through both: no accumulator spilled to local memory and back every step.
+            assert _ptxas_registers_and_spills(ptx, tmp_path)[1] == 0, flags
 
 
 def _ptxas_registers_and_spills(ptx: str, tmp_path: Path) -> tuple[int, int]:

@@ -52,6 +52,15 @@ outputs (one [64, 128] store buffer per warpgroup, its halves stored in turn; 22
 single GEMMs 2-3% faster, the gate + up dgrad sum and Qwen3's down fprop 2-3% slower, the
 MLP step the same (DeepSeek-V2-Lite balanced 7.02 ms both ways). So neither the products,
 the bytes, the scale loads' latency nor the loads in flight set a tile's time.
+Wgrad's K step (2026-12-01): holding B's 128 column scales (32 per thread) through both
+products made ptxas spill 8 accumulator registers (164 B), loaded and stored every step.
+Reading the scales from the stage after each product compiles without spills (checked by
+the sm_90 compile test), and a warpgroup barrier before the one-thread ``empty`` arrive
+keeps the loader from refilling a stage some warp still reads. DeepSeek-V2-Lite's three
+wgrads in the MLP step: 661, 660, 721 us against 745, 743, 813 in the same run (step 6.70
+against 6.97 ms). The accumulating variant (fp32 added into a gradient) keeps the old step:
+the new one spilled 1040 B there and its sums were wrong on the H200 (2-4e-3 relative error
+against emulation), not investigated.
 E8M0 scales take the Triton kernels: a build of these kernels reading E8M0 exponents
 stopped the H200 with an illegal instruction, not investigated for lack of device time.
 
@@ -450,18 +459,37 @@ if HAS_GLUON:
             for _ in range(first, last):
                 s = i % STAGES
                 mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-                sa0 = sa_bufs.index(s).slice(0, 64).load(row_l)
-                sa1 = sa_bufs.index(s).slice(64, 64).load(row_l)
-                sb = sb_bufs.index(s).slice(CID * BLOCK, BLOCK).load(col_l)
                 a_s = a_bufs.index(s)
                 b_s = b_bufs.index(s).slice(CID * BLOCK, BLOCK).permute((1, 0))
-                part = warpgroup_mma(a_s.slice(0, 64), b_s, part, use_acc=False, is_async=True)
-                part = warpgroup_mma_wait(0, deps=(part,))
-                acc0 += part * sa0[:, None] * sb[None, :]
-                part = warpgroup_mma(a_s.slice(64, 64), b_s, part, use_acc=False, is_async=True)
-                part = warpgroup_mma_wait(0, deps=(part,))
-                mbarrier.arrive(empty.index(s), count=1)
-                acc1 += part * sa1[:, None] * sb[None, :]
+                sb_s = sb_bufs.index(s).slice(CID * BLOCK, BLOCK)
+                if ACCUMULATE:  # the scales held through both products (see the docstring)
+                    sa0 = sa_bufs.index(s).slice(0, 64).load(row_l)
+                    sa1 = sa_bufs.index(s).slice(64, 64).load(row_l)
+                    sb = sb_s.load(col_l)
+                    part = warpgroup_mma(a_s.slice(0, 64), b_s, part, use_acc=False,
+                                         is_async=True)  # fmt: skip
+                    part = warpgroup_mma_wait(0, deps=(part,))
+                    acc0 += part * sa0[:, None] * sb[None, :]
+                    part = warpgroup_mma(a_s.slice(64, 64), b_s, part, use_acc=False,
+                                         is_async=True)  # fmt: skip
+                    part = warpgroup_mma_wait(0, deps=(part,))
+                    mbarrier.arrive(empty.index(s), count=1)
+                    acc1 += part * sa1[:, None] * sb[None, :]
+                else:  # the scales read from the stage after each product
+                    part = warpgroup_mma(a_s.slice(0, 64), b_s, part, use_acc=False,
+                                         is_async=True)  # fmt: skip
+                    part = warpgroup_mma_wait(0, deps=(part,))
+                    sa0 = sa_bufs.index(s).slice(0, 64).load(row_l)
+                    acc0 += part * sa0[:, None] * sb_s.load(col_l)[None, :]
+                    part = warpgroup_mma(a_s.slice(64, 64), b_s, part, use_acc=False,
+                                         is_async=True)  # fmt: skip
+                    part = warpgroup_mma_wait(0, deps=(part,))
+                    sa1 = sa_bufs.index(s).slice(64, 64).load(row_l)
+                    acc1 += part * sa1[:, None] * sb_s.load(col_l)[None, :]
+                    # One thread arrives for the warpgroup: its four warps must all have
+                    # read the stage's scales before the loader may refill it.
+                    gl.thread_barrier()
+                    mbarrier.arrive(empty.index(s), count=1)
                 i += 1
             col0 = pid_n * BLOCK_N + CID * BLOCK
             if TMA_STORE and last >= first:  # (always true: see the module docstring)
