@@ -66,6 +66,13 @@ DualQuantized = tuple[Fp8Quantized, Fp8Quantized]
 # 8.92 and 9.09 against 9.21. Alone: 521 against 702 us ([131072, 768], Qwen3 tiles) and
 # 693 against 927 ([98304, 1408]). So it is the default; the fused kernel stays, tested,
 # for the day its register pressure is solved.
+# Measured and not kept (H200, 2026-12-01, DeepSeek-V2-Lite [98304, 1408], balanced tiles):
+# the fused backward reading grad and gate again for dup (so that nothing but the gradient
+# being quantized stays live) ran 935 / 919 us at 8 / 16 warps, against 853 / 849 holding
+# them and 639 unfused (Qwen3 [131072, 768]: 696 against 640 and 476). Gluon kernels with
+# the dual quantizer's layout (branch gluon-swiglu, bit-exact): forward 351 us at 4 warps,
+# 357 at 8 with 128 registers, 534 at 8 without a cap, against 328 for this kernel in the
+# MLP step; the backward fused in Gluon made the step slower (7.09 against 6.99 ms).
 SWIGLU_QUANT_CONFIG = {"fwd_warps": 8, "bwd_warps": 16, "bwd_fused": False}
 
 
