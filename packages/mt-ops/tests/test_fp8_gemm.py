@@ -455,6 +455,26 @@ def test_gemm_pair_equals_two_gemms_and_takes_the_paired_kernel_when_on(monkeypa
     )  # fmt: skip
     fp8_grouped_gemm_pair(p["xq"], p["wq"], wq2, p["tiles"])
     assert calls == (["pair"] if paired_kernel else ["single", "single"])
+    # Operands the Hopper kernels cannot take: two GEMMs of the Triton path, switch or not.
+    calls.clear()
+    monkeypatch.setattr(gemm_module, "_use_hopper", lambda *operands, out: False)
+    monkeypatch.setattr(
+        gemm_module, "_grouped_gemm_triton",
+        lambda a, b, tiles, out_dtype: calls.append("triton") or torch.empty(0),
+    )  # fmt: skip
+    fp8_grouped_gemm_pair(p["xq"], p["wq"], wq2, p["tiles"])
+    assert calls == ["triton", "triton"]
+    # One group under "torch": the dense library GEMM twice, as fp8_grouped_gemm routes.
+    calls.clear()
+    monkeypatch.setattr(gemm_module, "_use_hopper", lambda *operands, out: True)
+    monkeypatch.setattr(gemm_module, "fp8_backend", lambda device, backend=None: "torch")
+    monkeypatch.setattr(
+        gemm_module, "_dense_torch", lambda a, b, out_dtype: calls.append("dense") or torch.empty(0)
+    )
+    one = _problem([130], 256, 256)
+    (wq2_one, _) = quantize_128x128(w2[:1].contiguous())
+    fp8_grouped_gemm_pair(one["xq"], one["wq"], wq2_one, one["tiles"])
+    assert calls == ["dense", "dense"]
     (narrow, _) = quantize_128x128(w2[:, :128].contiguous())
     with pytest.raises(ValueError, match="paired weights"):
         fp8_grouped_gemm_pair(p["xq"], p["wq"], narrow, p["tiles"])
@@ -475,7 +495,9 @@ def test_gpu_paired_kernel_equals_two_gemms_bit_for_bit(monkeypatch, counts):
     for n_dim in (1408, 768, 1400):  # 1400: a last 128-column block that is partly past N
         p = _problem(counts, 2048, n_dim, device="cuda")
         gen = torch.Generator().manual_seed(9)
-        w2 = (torch.randn(len(counts), n_dim, 2048, generator=gen) / 45).cuda()
+        # 3x the first weight's spread: most 128x128 blocks get another power-of-two
+        # scale, so a warpgroup reading the other weight's scales cannot pass.
+        w2 = (torch.randn(len(counts), n_dim, 2048, generator=gen) / 15).cuda()
         (wq2, _) = quantize_128x128(w2)
         for out_dtype in (torch.bfloat16, torch.float32):
             got = fp8_grouped_gemm_pair(p["xq"], p["wq"], wq2, p["tiles"], out_dtype=out_dtype)

@@ -55,12 +55,14 @@ the bytes, the scale loads' latency nor the loads in flight set a tile's time.
 Wgrad's K step (2026-12-01): holding B's 128 column scales (32 per thread) through both
 products made ptxas spill 8 accumulator registers (164 B), loaded and stored every step.
 Reading the scales from the stage after each product compiles without spills (checked by
-the sm_90 compile test), and a warpgroup barrier before the one-thread ``empty`` arrive
-keeps the loader from refilling a stage some warp still reads. DeepSeek-V2-Lite's three
-wgrads in the MLP step: 661, 660, 721 us against 745, 743, 813 in the same run (step 6.70
-against 6.97 ms). The accumulating variant (fp32 added into a gradient) keeps the old step:
-the new one spilled 1040 B there and its sums were wrong on the H200 (2-4e-3 relative error
-against emulation), not investigated.
+the sm_90 compile test); the stage is released after the second promotion instead of
+before it, behind the warpgroup barrier Triton puts before every arrive (now written out).
+DeepSeek-V2-Lite's three wgrads in the MLP step: 661, 660, 721 us against 745, 743, 813 in
+the same run (step 6.70 against 6.97 ms). The accumulating variant (fp32 added into a
+gradient) keeps the old step: the new one spilled 1040 B there and its sums were wrong on
+the H200 (2-4e-3 relative error against emulation). That build had the same barrier before
+its arrive, so the cause is not a refilled stage; not investigated further. Not yet tried:
+reading sa1 and sb, then releasing the stage, before the second promotion's FMAs.
 E8M0 scales take the Triton kernels: a build of these kernels reading E8M0 exponents
 stopped the H200 with an illegal instruction, not investigated for lack of device time.
 
@@ -452,10 +454,9 @@ if HAS_GLUON:
             g, first, last = _wgrad_bounds(group_first_ptr, pid, num_m, num_n)
             acc0 = gl.zeros([64, BLOCK], gl.float32, mma)
             acc1 = gl.zeros([64, BLOCK], gl.float32, mma)
-            # The K step repeats _gemm_consumer's rather than calling a shared helper: such a
-            # helper leaves the PTX instructions as they are, but its inlined scope's line-info
-            # labels in this loop change ptxas's schedule and spills (BF16 output: spill stores
-            # 164 -> 128 bytes), a change only the H200 could judge.
+            # The K step is written out here rather than shared with _gemm_consumer's: a
+            # shared helper's inlined line-info labels once changed ptxas's schedule and
+            # spills in this loop, which only the H200 can judge.
             for _ in range(first, last):
                 s = i % STAGES
                 mbarrier.wait(ready.index(s), (i // STAGES) & 1)
@@ -473,6 +474,7 @@ if HAS_GLUON:
                     part = warpgroup_mma(a_s.slice(64, 64), b_s, part, use_acc=False,
                                          is_async=True)  # fmt: skip
                     part = warpgroup_mma_wait(0, deps=(part,))
+                    gl.thread_barrier()  # as below (Triton emits it here anyway)
                     mbarrier.arrive(empty.index(s), count=1)
                     acc1 += part * sa1[:, None] * sb[None, :]
                 else:  # the scales read from the stage after each product
@@ -487,7 +489,9 @@ if HAS_GLUON:
                     sa1 = sa_bufs.index(s).slice(64, 64).load(row_l)
                     acc1 += part * sa1[:, None] * sb_s.load(col_l)[None, :]
                     # One thread arrives for the warpgroup: its four warps must all have
-                    # read the stage's scales before the loader may refill it.
+                    # read the stage before the loader may refill it. Triton's shared-memory
+                    # barrier pass already puts this warpgroup barrier before every arrive;
+                    # written out, it no longer rests on that pass.
                     gl.thread_barrier()
                     mbarrier.arrive(empty.index(s), count=1)
                 i += 1
