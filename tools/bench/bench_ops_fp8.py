@@ -26,6 +26,7 @@ Run: ``PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python3 tools/bench/bench
 import argparse
 import json
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -382,6 +383,18 @@ def _kernels_per_call(run) -> list[tuple[str, float]]:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
         return per_call(json.loads(path.read_text()), PROFILE_STEPS)
+
+
+def _host_ms_per_call(run) -> float:
+    """Host time to issue one ``run`` (mean over PROFILE_STEPS issued back to back, without
+    waiting for the GPU): near the GPU time of a step, the launches leave the GPU idle."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(PROFILE_STEPS):
+        run()
+    issued = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return issued * 1e3 / PROFILE_STEPS
 SECTIONS = ("sweep", "variants", "quant", "dense", "grouped", "mlp", "block")
 
 
@@ -489,9 +502,11 @@ def expert_mlp(name: str, num_tokens: int, skewed: bool) -> None:
     if not skewed and PROFILE:
         for label, fn, projs in (("fp8 fused", fused_step, fp8), ("bf16", step, bf16)):
             calls = _kernels_per_call(lambda fn=fn, projs=projs: fn(projs))
+            host = _host_ms_per_call(lambda fn=fn, projs=projs: fn(projs))
             print(f"{name} balanced {label} MLP step, kernels per call (us, mean of "
                   f"{PROFILE_STEPS} back-to-back steps), {sum(t for _, t in calls):.0f} us in "
-                  "all: " + " ".join(f"{n[:24]}={t:.0f}" for n, t in calls))  # fmt: skip
+                  f"all, host issue time {host * 1e3:.0f} us: "
+                  + " ".join(f"{n[:24]}={t:.0f}" for n, t in calls))  # fmt: skip
     print(
         f"{name:17s} {'skewed' if skewed else 'balanced':8s} expert MLP fwd+bwd T={num_tokens}: "
         f"bf16 {ms_bf16:6.2f} ms ({flops / ms_bf16 / 1e9:4.0f} TFLOP/s) | fp8 modules "
@@ -521,7 +536,8 @@ def main() -> None:
     parser.add_argument(
         "--profile", action="store_true",
         help="mlp section: print each kernel of the balanced FP8 (fused) and BF16 steps with "
-        f"its mean time over {PROFILE_STEPS} back-to-back steps",
+        f"its mean time over {PROFILE_STEPS} back-to-back steps, and the host time to issue "
+        "a step",
     )  # fmt: skip
     args = parser.parse_args()
     if unknown := sorted(set(args.sections.split(",")) - set(SECTIONS)):
