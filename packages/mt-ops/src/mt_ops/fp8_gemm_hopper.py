@@ -55,14 +55,15 @@ the bytes, the scale loads' latency nor the loads in flight set a tile's time.
 Wgrad's K step (2026-12-01): holding B's 128 column scales (32 per thread) through both
 products made ptxas spill 8 accumulator registers (164 B), loaded and stored every step.
 Reading the scales from the stage after each product compiles without spills (checked by
-the sm_90 compile test); the stage is released after the second promotion instead of
-before it, behind the warpgroup barrier Triton puts before every arrive (now written out).
+the sm_90 compile test); in source order the stage is released after the second promotion
+instead of before it, behind the warpgroup barrier Triton puts before every arrive (now
+written out), but ptxas moves most of that promotion's FMAs past the release anyway.
 DeepSeek-V2-Lite's three wgrads in the MLP step: 661, 660, 721 us against 745, 743, 813 in
 the same run (step 6.70 against 6.97 ms). The accumulating variant (fp32 added into a
 gradient) keeps the old step: the new one spilled 1040 B there and its sums were wrong on
 the H200 (2-4e-3 relative error against emulation). That build had the same barrier before
-its arrive, so the cause is not a refilled stage; not investigated further. Not yet tried:
-reading sa1 and sb, then releasing the stage, before the second promotion's FMAs.
+its arrive, so the cause is not a refilled stage; not investigated further. Releasing the
+stage in source before the second promotion compiles to the same SASS (a review's check).
 E8M0 scales take the Triton kernels: a build of these kernels reading E8M0 exponents
 stopped the H200 with an illegal instruction, not investigated for lack of device time.
 
