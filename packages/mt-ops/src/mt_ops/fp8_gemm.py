@@ -183,6 +183,14 @@ def _use_hopper(*operands: Fp8Quantized, out: Tensor) -> bool:
     return HOPPER["enabled"] and TMA["enabled"] and fp8_gemm_hopper.supported(operands, out)
 
 
+def _hopper_takes_new(*operands: Fp8Quantized, shape, dtype: torch.dtype) -> bool:
+    """:func:`_use_hopper` for a result not yet allocated (so that a route which would not
+    use it allocates nothing): a new tensor is contiguous and aligned, so a one-row stand-in
+    answers for it, plus the element count that bounds the kernels' offsets."""
+    probe = torch.empty((1, shape[-1]), dtype=dtype, device=operands[0].data.device)
+    return 0 < math.prod(shape) < 2**31 and _use_hopper(*operands, out=probe)
+
+
 def _use_tma(*tensors: Tensor) -> bool:
     """Whether TMA can read these FP8 operands: non-empty contiguous CUDA tensors with
     16-byte aligned rows and fewer than 2³¹ rows (TMA coordinates are int32)."""
@@ -537,9 +545,9 @@ def fp8_grouped_gemm_pair(
     # As fp8_grouped_gemm routes: one group under "torch" or "deepgemm" takes the dense
     # library GEMM, so the pair does too (two calls below).
     if HOPPER["pair"] and choice != "emulation" and (b.data.shape[0] > 1 or choice == "triton"):
-        num_rows, n_dim = a.data.shape[0], b.data.shape[1]
-        out = torch.empty(num_rows, n_dim, dtype=out_dtype, device=a.data.device)
-        if num_rows and n_dim and _use_hopper(a, b, b2, out=out):
+        shape = (a.data.shape[0], b.data.shape[1])
+        if _hopper_takes_new(a, b, b2, shape=shape, dtype=out_dtype):
+            out = torch.empty(shape, dtype=out_dtype, device=a.data.device)
             return fp8_gemm_hopper.grouped_gemm_pair(a, b, b2, tiles, out, torch.empty_like(out))
     return (
         fp8_grouped_gemm(a, b, tiles, out_dtype=out_dtype, backend=backend),
@@ -782,12 +790,11 @@ def fp8_grouped_wgrad(
     accumulate = out is not None
     shape = (num_groups, n_dim, k_dim)
     # Whether the Hopper kernel takes it, decided before allocating a result that the
-    # cuBLAS route would not use: a new tensor is contiguous and aligned, so a one-row
-    # stand-in answers for it, plus the element count that bounds the kernel's offsets.
-    probe = out
-    if probe is None:
-        probe = torch.empty((1, k_dim), dtype=out_dtype, device=a_t.data.device)
-    hopper = 0 < math.prod(shape) < 2**31 and _use_hopper(a_t, b_t, out=probe)
+    # cuBLAS route would not use.
+    if out is None:
+        hopper = _hopper_takes_new(a_t, b_t, shape=shape, dtype=out_dtype)
+    else:
+        hopper = 0 < math.prod(shape) < 2**31 and _use_hopper(a_t, b_t, out=out)
     if num_groups == 1 and choice == "torch" and not hopper:
         result = _wgrad_torch(a_t, b_t, out, out_dtype)
         if result is not None:
