@@ -485,6 +485,36 @@ def test_gemm_pair_equals_two_gemms_and_takes_the_paired_kernel_when_on(monkeypa
     not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
     reason="needs a Hopper GPU",
 )
+@pytest.mark.parametrize("counts", [[1536] * 2, [0, 300, 17, 0, 700, 1]])
+def test_gpu_transposed_wgrad_tiles_equal_emulation(monkeypatch, counts):
+    # K = 1408 (DeepSeek-V2-Lite's down projection) and 384 end in a half-empty 256-column
+    # tile, so the Hopper kernel computes outᵀ's tiles and stores them transposed.
+    monkeypatch.setitem(gemm_module.fp8_gemm_hopper.WGRAD, "transposed", True)
+    transposed = []
+    launch = gemm_module.fp8_gemm_hopper._launch
+
+    def recording_launch(kernel, grid, *args, **kwargs):
+        transposed.append(kwargs.get("TRANSPOSED"))
+        return launch(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(gemm_module.fp8_gemm_hopper, "_launch", recording_launch)
+    for k_dim, n_dim in ((1408, 2048), (384, 512)):
+        p = _problem(counts, k_dim, n_dim, device="cuda")
+        got = fp8_grouped_wgrad(
+            p["dyqt"], p["xqt"], p["tiles"], out_dtype=torch.bfloat16, backend="triton"
+        )
+        expected = fp8_grouped_wgrad_reference(p["dyqt"], p["xqt"], p["tiles"])
+        assert _relative(got.float(), expected) <= 4e-3, (counts, k_dim)  # BF16 output
+        unused = [g for g, count in enumerate(counts) if count == 0 and bool(got[g].any())]
+        assert not unused, unused
+    assert transposed == [True, True]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="needs a Hopper GPU",
+)
 @pytest.mark.parametrize("counts", [[1536] * 4, [0, 700, 300, 1, 1047]])  # N: 1408 and 768
 def test_gpu_paired_kernel_equals_two_gemms_bit_for_bit(monkeypatch, counts):
     monkeypatch.setitem(gemm_module.HOPPER, "pair", True)
