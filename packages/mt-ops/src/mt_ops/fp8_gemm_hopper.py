@@ -454,6 +454,7 @@ if HAS_GLUON:
     @gluon.jit
     def _wgrad_consumer(p, CID: gl.constexpr, TMA_STORE: gl.constexpr,
                         ACCUMULATE: gl.constexpr, TRANSPOSED: gl.constexpr):  # fmt: skip
+        gl.static_assert(not TRANSPOSED or (TMA_STORE and not ACCUMULATE))
         (a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty,
          c_ptr, c_desc, c_bufs, group_first_ptr, N, K, num_m, num_n, num_groups,
          num_programs) = p  # fmt: skip
