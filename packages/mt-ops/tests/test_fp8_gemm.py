@@ -485,6 +485,46 @@ def test_gemm_pair_equals_two_gemms_and_takes_the_paired_kernel_when_on(monkeypa
     not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
     reason="needs a Hopper GPU",
 )
+@pytest.mark.parametrize("counts", [[1536] * 2, [0, 300, 17, 0, 700, 1], [5, 0, 0]])
+def test_gpu_transposed_wgrad_tiles_equal_plain_tiles_bit_for_bit(monkeypatch, counts):
+    # out [N, K] whose K ends in a half-empty 256-column tile: the Hopper kernel computes
+    # outᵀ's tiles (A and B swapped) and stores them transposed. The same products and
+    # power-of-two scales (exact in either order): the same bits as the plain tiles.
+    # K = 1408 is DeepSeek-V2-Lite's down projection; N = 640 and 384 end in a 256-row
+    # tile of outᵀ whose second warpgroup lies past N and must not store (into the next
+    # group's rows); groups without rows must come out zero.
+    hopper = gemm_module.fp8_gemm_hopper
+    transposed = []
+    launch = hopper._launch
+
+    def recording_launch(kernel, grid, *args, **kwargs):
+        transposed.append(kwargs.get("TRANSPOSED"))
+        return launch(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(hopper, "_launch", recording_launch)
+    for k_dim, n_dim in ((1408, 2048), (384, 512), (384, 640), (128, 384)):
+        p = _problem(counts, k_dim, n_dim, device="cuda")
+        outs = []
+        for on in (True, False):
+            monkeypatch.setitem(hopper.WGRAD, "transposed", on)
+            out = torch.full((len(counts), n_dim, k_dim), float("nan"), device="cuda")
+            out = out.bfloat16()
+            outs.append(hopper.grouped_wgrad(p["dyqt"], p["xqt"], p["tiles"], out, False))
+        assert transposed[-2:] == [True, False], (k_dim, n_dim)
+        got, plain = outs
+        assert not got.isnan().any(), (counts, k_dim, n_dim)  # every element written
+        assert torch.equal(got, plain), (counts, k_dim, n_dim)
+        expected = fp8_grouped_wgrad_reference(p["dyqt"], p["xqt"], p["tiles"])
+        assert _relative(got.float(), expected) <= 4e-3, (counts, k_dim, n_dim)  # BF16
+        empty = [g for g, count in enumerate(counts) if count == 0 and bool(got[g].any())]
+        assert not empty, empty
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="needs a Hopper GPU",
+)
 @pytest.mark.parametrize("counts", [[1536] * 4, [0, 700, 300, 1, 1047]])  # N: 1408 and 768
 def test_gpu_paired_kernel_equals_two_gemms_bit_for_bit(monkeypatch, counts):
     monkeypatch.setitem(gemm_module.HOPPER, "pair", True)

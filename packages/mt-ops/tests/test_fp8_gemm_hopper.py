@@ -80,7 +80,7 @@ def _expected_tx(name: str) -> int:
     return a_tile + b_tile + (scale_rows if name == "_grouped_wgrad_kernel" else 0)
 
 
-def test_every_variant_compiles_for_sm90_within_its_limits(compiled, tmp_path):
+def test_every_variant_compiles_for_sm90_within_its_limits(compiled, tmp_path, monkeypatch):
     rows, k_dim, n_dim, groups = 1024, 768, 2048, 8
     tiles = row_tiles(torch.full((groups,), rows // groups), rows)
     fp8 = torch.float8_e4m3fn
@@ -101,9 +101,17 @@ def test_every_variant_compiles_for_sm90_within_its_limits(compiled, tmp_path):
     )
     hopper.grouped_wgrad(a_t, b_t, tiles, torch.empty(groups, n_dim, k_dim), False)
     hopper.grouped_wgrad(a_t, b_t, tiles, torch.empty(groups, n_dim, k_dim), True)
+    # K = 384 ends in a half-empty 256-column tile: outᵀ's tiles instead, stored transposed.
+    monkeypatch.setitem(hopper.WGRAD, "transposed", True)
+    b_384 = Fp8Quantized(torch.zeros(num_tiles, 384, 128, dtype=fp8), torch.ones(num_tiles, 384))
+    hopper.grouped_wgrad(
+        a_t, b_384, tiles, torch.empty(groups, n_dim, 384, dtype=torch.bfloat16), False
+    )
+    assert compiled[-1][1]["TRANSPOSED"]
+    assert "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in compiled[-1][2].asm["ptx"]
 
     seen = {(name, tuple(sorted(flags.items()))) for name, flags, _ in compiled}
-    assert len(seen) == 9  # 6 fprop/dgrad variants (second pair or paired, TMA store), 3 wgrad
+    assert len(seen) == 10  # 6 fprop/dgrad variants (second pair or paired, TMA store), 4 wgrad
     for name, flags, kernel in compiled:
         ptx = kernel.asm["ptx"]
         assert kernel.metadata.shared <= SM90_MAX_SHARED, (name, flags, kernel.metadata.shared)

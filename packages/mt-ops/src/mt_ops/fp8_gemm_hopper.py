@@ -223,6 +223,19 @@ if HAS_GLUON:
         tma.async_copy_shared_to_global(c_desc, [row, col], c_bufs.index(2 * CID))
         tma.async_copy_shared_to_global(c_desc, [row + 64, col], c_bufs.index(2 * CID + 1))
 
+    @gluon.jit
+    def _tma_store_halves_transposed(c_desc, c_bufs, acc0, acc1, row, col, CID: gl.constexpr):
+        """Writes the transpose of a warpgroup's [128, 128] block (``acc0`` over ``acc1``) at
+        (row, col): ``c_desc``'s [128, 64] blocks take ``acc0ᵀ`` and, 64 columns on, ``acc1ᵀ``."""
+        tma.store_wait(0)
+        gl.thread_barrier()
+        c_bufs.index(2 * CID).permute((1, 0)).store(acc0.to(c_desc.dtype))
+        c_bufs.index(2 * CID + 1).permute((1, 0)).store(acc1.to(c_desc.dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(c_desc, [row, col], c_bufs.index(2 * CID))
+        tma.async_copy_shared_to_global(c_desc, [row, col + 64], c_bufs.index(2 * CID + 1))
+
     # --- fprop / dgrad ----------------------------------------------------------------------
 
     @gluon.jit
@@ -440,7 +453,8 @@ if HAS_GLUON:
 
     @gluon.jit
     def _wgrad_consumer(p, CID: gl.constexpr, TMA_STORE: gl.constexpr,
-                        ACCUMULATE: gl.constexpr):  # fmt: skip
+                        ACCUMULATE: gl.constexpr, TRANSPOSED: gl.constexpr):  # fmt: skip
+        gl.static_assert(not TRANSPOSED or (TMA_STORE and not ACCUMULATE))
         (a_desc, b_desc, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty,
          c_ptr, c_desc, c_bufs, group_first_ptr, N, K, num_m, num_n, num_groups,
          num_programs) = p  # fmt: skip
@@ -497,7 +511,11 @@ if HAS_GLUON:
                     mbarrier.arrive(empty.index(s), count=1)
                 i += 1
             col0 = pid_n * BLOCK_N + CID * BLOCK
-            if TMA_STORE and last >= first:  # (always true: see the module docstring)
+            if TRANSPOSED:  # c [G, K, N] viewed as [G·K, N]; K % 128 == 0, N % 128 == 0
+                if col0 < K:  # a last 256-column tile may end at K + 128
+                    _tma_store_halves_transposed(c_desc, c_bufs, acc0, acc1, g * K + col0,
+                                                 pid_m * BLOCK, CID)  # fmt: skip
+            elif TMA_STORE and last >= first:  # (always true: see the module docstring)
                 # Whole 128-row tiles (N % 128 == 0); columns past K are clipped.
                 c_row = g * N + pid_m * BLOCK  # c viewed as [G·N, K]
                 _tma_store_halves(c_desc, c_bufs, acc0, acc1, c_row, col0, CID)
@@ -519,7 +537,7 @@ if HAS_GLUON:
     def _grouped_wgrad_kernel(
         a_desc, b_desc, sa_desc, sb_desc, c_desc, c_ptr, group_first_ptr,
         N, K, num_m, num_n, num_groups, num_programs,
-        TMA_STORE: gl.constexpr, ACCUMULATE: gl.constexpr,
+        TMA_STORE: gl.constexpr, ACCUMULATE: gl.constexpr, TRANSPOSED: gl.constexpr,
     ):  # fmt: skip
         a_bufs = _ring(a_desc)
         b_bufs = _ring(b_desc)
@@ -532,8 +550,8 @@ if HAS_GLUON:
              num_programs)  # fmt: skip
         gl.warp_specialize(
             [
-                (_wgrad_consumer, (p, 0, TMA_STORE, ACCUMULATE)),
-                (_wgrad_consumer, (p, 1, TMA_STORE, ACCUMULATE)),
+                (_wgrad_consumer, (p, 0, TMA_STORE, ACCUMULATE, TRANSPOSED)),
+                (_wgrad_consumer, (p, 1, TMA_STORE, ACCUMULATE, TRANSPOSED)),
                 (_wgrad_loader, (p,)),
             ],
             [4, 1],
@@ -551,12 +569,12 @@ def _fp8_descriptor(data: Tensor, block_rows: int):
     return GluonDescriptor.from_tensor(data, [block_rows, _BLOCK], layout)
 
 
-def _out_descriptor(out_2d: Tensor):
+def _out_descriptor(out_2d: Tensor, block=(64, _BLOCK)):
     dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[
         out_2d.dtype
     ]
-    layout = gl.NVMMASharedLayout.get_default_for([64, _BLOCK], dtype)
-    return GluonDescriptor.from_tensor(out_2d, [64, _BLOCK], layout)
+    layout = gl.NVMMASharedLayout.get_default_for(list(block), dtype)
+    return GluonDescriptor.from_tensor(out_2d, list(block), layout)
 
 
 def grouped_gemm(a, b, tiles, out: Tensor, second=None) -> Tensor:
@@ -623,17 +641,42 @@ def grouped_wgrad(a_t, b_t, tiles, out: Tensor, accumulate: bool) -> Tensor:
     in :func:`mt_ops.fp8_gemm.fp8_grouped_wgrad`. The caller checks :func:`supported`."""
     n_dim, k_dim = a_t.data.shape[1], b_t.data.shape[1]
     num_groups = tiles.group_first_tile_G.numel() - 1
+    tma_store = not accumulate and out.element_size() == 2 and n_dim % _BLOCK == 0
+    out_desc = None
+    if tma_store and _transposed_tiles_fewer(n_dim, k_dim):
+        # Compute outᵀ's tiles (A and B swapped) and store each one transposed.
+        a_t, b_t, n_dim, k_dim = b_t, a_t, k_dim, n_dim
+        out_desc = _out_descriptor(out.view(-1, n_dim), (_BLOCK, 64))
     num_m, num_n = triton.cdiv(n_dim, _BLOCK), triton.cdiv(k_dim, _BLOCK_N)
     total = num_groups * num_m * num_n
     num_programs = max(1, min(total, num_sms(a_t.data.device)))
-    tma_store = not accumulate and out.element_size() == 2 and n_dim % _BLOCK == 0
     _launch(
         _grouped_wgrad_kernel, (num_programs,),
         _fp8_descriptor(a_t.data.view(-1, _BLOCK), _BLOCK),
         _fp8_descriptor(b_t.data.view(-1, _BLOCK), _BLOCK_N),
         _flat_scale_descriptor(a_t.scale, _BLOCK), _flat_scale_descriptor(b_t.scale, _BLOCK_N),
-        _out_descriptor(out.view(-1, k_dim)), out, tiles.group_first_tile_G,
+        out_desc or _out_descriptor(out.view(-1, k_dim)), out, tiles.group_first_tile_G,
         n_dim, k_dim, num_m, num_n, num_groups, num_programs,
-        TMA_STORE=tma_store, ACCUMULATE=accumulate, num_warps=4,
+        TMA_STORE=tma_store, ACCUMULATE=accumulate, TRANSPOSED=out_desc is not None,
+        num_warps=4,
     )  # fmt: skip
     return out
+
+
+# Wgrad of out [N, K] per group may compute outᵀ's tiles instead (A and B swapped, each tile
+# stored transposed) when K is not a multiple of 256 but N is: DeepSeek-V2-Lite's down
+# projection [2048, 1408] then takes 11 x 8 whole tiles per expert instead of 16 x 6 with
+# the last 128 columns of every sixth tile past K. H200 (2026-12-01, MLP step profile,
+# balanced): that wgrad 675 us against 715-732, the others unchanged (668 / 669); the step
+# 6.55 against 6.61 ms (CUDA-graph replay 6.53 against 6.63). Bit-exact against the plain
+# tiles (test_gpu_transposed_wgrad_tiles_equal_plain_tiles_bit_for_bit).
+WGRAD = {"transposed": True}
+
+
+def _transposed_tiles_fewer(n_dim: int, k_dim: int) -> bool:
+    """Whether outᵀ [K, N] takes fewer 128 x 256 tiles than out [N, K] (both dimensions
+    multiples of 128, which the transposed stores need)."""
+    if not WGRAD["transposed"] or n_dim % _BLOCK or k_dim % _BLOCK:
+        return False
+    tiles = triton.cdiv(n_dim, _BLOCK) * triton.cdiv(k_dim, _BLOCK_N)
+    return triton.cdiv(k_dim, _BLOCK) * triton.cdiv(n_dim, _BLOCK_N) < tiles
