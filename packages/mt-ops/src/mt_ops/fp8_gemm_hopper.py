@@ -64,6 +64,15 @@ gradient) keeps the old step: the new one spilled 1040 B there and its sums were
 the H200 (2-4e-3 relative error against emulation). That build had the same barrier before
 its arrive, so the cause is not a refilled stage; not investigated further. Releasing the
 stage in source before the second promotion compiles to the same SASS (a review's check).
+SwiGLU's backward in the down projection's dgrad epilogue (2026-12-01, branch
+swiglu-bwd-epilogue, bit-exact against the GEMM into dh and mt_ops.swiglu's backward): each
+warpgroup loaded gate and up and stored both gradients straight from the MMA layout, so dh
+never went to memory. The dgrad took 1729-1963 us against 507 + 320 for the GEMM and the
+SwiGLU kernel (DeepSeek-V2-Lite), 1217-1373 against 357 + 232 (Qwen3): 4-byte accesses
+that use half of each sector, done while the tensor cores wait, and 476-1788 B of spills
+per thread through an L1 of ~29 KB beside 208 KB of shared memory, cost far more than the
+separate pass at full bandwidth. A version worth measuring again would stage gate, up and
+the gradients through shared memory, which the operand ring leaves no room for.
 E8M0 scales take the Triton kernels: a build of these kernels reading E8M0 exponents
 stopped the H200 with an illegal instruction, not investigated for lack of device time.
 
