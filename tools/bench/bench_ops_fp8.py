@@ -151,13 +151,7 @@ def _with_fused_swiglu_bwd(run):
     The module default (False) sends ``swiglu_backward_quantize_1x128`` down the unfused
     path, which ignores ``bwd_warps`` and is not the kernel a "fused" label names.
     """
-    config = fp8_swiglu.SWIGLU_QUANT_CONFIG
-    saved = config["bwd_fused"]
-    config["bwd_fused"] = True
-    try:
-        return run()
-    finally:
-        config["bwd_fused"] = saved
+    return _with_config(fp8_swiglu.SWIGLU_QUANT_CONFIG, {"bwd_fused": True}, run)
 
 
 def _best(label, candidates, run, config):
@@ -509,9 +503,9 @@ def expert_mlp(name: str, num_tokens: int, skewed: bool) -> None:
     ms_master = bench_ms(lambda: fused_step(fp8_master))
     cold = bench_ms(lambda: (cache.invalidate(), fused_step(fp8)))
     config = fp8_swiglu.SWIGLU_QUANT_CONFIG
-    config["bwd_fused"] = not config["bwd_fused"]
-    ms_other = bench_ms(lambda: fused_step(fp8))  # the other SwiGLU-backward choice
-    config["bwd_fused"] = not config["bwd_fused"]
+    ms_other = _with_config(  # the other SwiGLU-backward choice
+        config, {"bwd_fused": not config["bwd_fused"]}, lambda: bench_ms(lambda: fused_step(fp8))
+    )
     if not skewed and PROFILE:
         for label, fn, projs in (("fp8 fused", fused_step, fp8), ("bf16", step, bf16)):
             calls = _kernels_per_call(lambda fn=fn, projs=projs: fn(projs))

@@ -793,8 +793,8 @@ def fp8_grouped_wgrad(
     # cuBLAS route would not use.
     if out is None:
         hopper = _hopper_takes_new(a_t, b_t, shape=shape, dtype=out_dtype)
-    else:
-        hopper = 0 < math.prod(shape) < 2**31 and _use_hopper(a_t, b_t, out=out)
+    else:  # supported() bounds out's element count itself
+        hopper = _use_hopper(a_t, b_t, out=out)
     if num_groups == 1 and choice == "torch" and not hopper:
         result = _wgrad_torch(a_t, b_t, out, out_dtype)
         if result is not None:
