@@ -7,8 +7,10 @@ target) and checked for the invariants whose breakage hangs or refuses the launc
 of failing a comparison: the shared memory fits the H200, each stage's mbarrier expects
 exactly the bytes its TMA loads bring, and the registers are split between the consumer
 warpgroups and the loader warp; and for the quantizer, the layout property it exists for.
+The Triton SwiGLU kernels are compiled here too, for the instructions their sigmoid takes.
 """
 
+import importlib
 import re
 import shutil
 import subprocess
@@ -22,6 +24,9 @@ import mt_ops.fp8_quant_gluon as quant_gluon
 from mt_ops.fp8_quant import QUANT_CONFIG, Fp8Quantized, _launch_1x128, row_tiles
 
 triton = pytest.importorskip("triton")
+# Modules whose names the package's functions shadow as attributes of mt_ops.
+swiglu = importlib.import_module("mt_ops.swiglu")
+fp8_swiglu = importlib.import_module("mt_ops.fp8_swiglu")
 
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 SM90_MAX_SHARED = 232448  # bytes of dynamic shared memory a block may use on the H100/H200
@@ -166,3 +171,29 @@ def test_dual_quantizer_compiles_for_sm90_without_byte_wide_shared_memory_traffi
         # (Triton's kernel: 156 such stores per warp and tile), only the column maxima.
         assert "st.shared.b8" not in ptx and "st.shared.u8" not in ptx, flags
         assert kernel.metadata.shared <= 4096, (flags, kernel.metadata.shared)
+
+
+def test_swiglu_kernels_compile_their_sigmoid_to_the_fast_instructions(compiled, monkeypatch):
+    # mt_ops._triton.sigmoid: the flush-to-zero ex2 and div.approx, not tl.sigmoid's
+    # ex2.approx.f32 and div.full.f32 with their range checks (7 of 38 instructions per
+    # element in the fused forward).
+    kernels = []
+
+    def compile_only(kernel, grid, *args, **kwargs):
+        kernels.append((kernel, kernel.warmup(*args, grid=grid, **kwargs)))
+
+    monkeypatch.setattr(swiglu, "launch", compile_only)
+    monkeypatch.setattr(fp8_swiglu, "launch", compile_only)
+    gate = torch.zeros(256, 384, dtype=torch.bfloat16)
+    swiglu._swiglu_fwd(gate, gate)
+    swiglu._swiglu_bwd(gate, gate, gate)
+    fp8_swiglu._launch_fwd(gate, gate, row_tiles(torch.tensor([200, 56]), 256), "fp32")
+    try:
+        assert len(kernels) == 3
+        for kernel, binary in kernels:
+            ptx = binary.asm["ptx"]
+            assert "ex2.approx.ftz.f32" in ptx and "div.approx" in ptx, kernel.fn.__name__
+            assert "div.full" not in ptx and "ex2.approx.f32" not in ptx, kernel.fn.__name__
+    finally:
+        for kernel, _ in kernels:
+            kernel.device_caches.clear()  # compiled for the stand-in driver only

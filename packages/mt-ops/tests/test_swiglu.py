@@ -5,6 +5,17 @@ import torch
 import torch.nn.functional as F
 
 from mt_ops import swiglu, swiglu_reference
+from mt_ops._triton import HAS_TRITON, sigmoid, tl, triton
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _both_sigmoids(x_ptr, ours_ptr, triton_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < n
+        x = tl.load(x_ptr + offs, mask=ok)
+        tl.store(ours_ptr + offs, sigmoid(x), mask=ok)
+        tl.store(triton_ptr + offs, tl.sigmoid(x), mask=ok)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -111,3 +122,21 @@ def test_fused_swiglu_on_gpu_matches_reference(dtype, assert_close, run_with_gra
     assert_close(out, ref_out, dtype, "out")
     for name, g, rg in zip(["gate", "up"], grads, ref_grads, strict=True):
         assert_close(g, rg, dtype, f"grad {name}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_kernel_sigmoid_equals_tl_sigmoid_above_minus_87():
+    # Every bf16 value (the kernels' usual input), then fp32 values across the range.
+    every_bf16 = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    x = torch.cat([
+        every_bf16.view(torch.bfloat16).float(),
+        torch.linspace(-87, 90, 2**20), torch.randn(2**20) * 20,
+    ]).cuda()  # fmt: skip
+    ours, expected = torch.empty_like(x), torch.empty_like(x)
+    _both_sigmoids[(triton.cdiv(x.numel(), 1024),)](x, ours, expected, x.numel(), BLOCK=1024)
+    above = torch.isfinite(x) & (x > -87)
+    assert torch.equal(ours[above], expected[above])
+    # Below, div.approx flushes tl.sigmoid's denormal results (1 / (1 + e^-x) < 2^-126) to 0.
+    assert (ours[torch.isfinite(x) & (x < -88)] == 0).all()
+    assert torch.equal(ours[x == float("inf")], expected[x == float("inf")])

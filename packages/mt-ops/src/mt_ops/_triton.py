@@ -25,6 +25,10 @@ try:
 except ImportError:  # pragma: no cover - triton ships with Linux torch wheels
     triton, tl = None, None
     HAS_TRITON = False
+try:  # CUDA's fast-math device functions (the interpreter replaces the one used here)
+    from triton.language.extra.cuda import libdevice
+except ImportError:  # pragma: no cover
+    libdevice = None
 try:  # TMA descriptors (Triton >= 3.4); without them the kernels use pointer loads
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover
@@ -36,7 +40,8 @@ except ImportError:  # pragma: no cover
     interpreter, InterpretedFunction = None, None
 
 __all__ = [
-    "HAS_TRITON", "TensorDescriptor", "cdiv", "launch", "num_sms", "triton", "tl", "use_kernels",
+    "HAS_TRITON", "TensorDescriptor", "cdiv", "launch", "num_sms", "sigmoid", "triton", "tl",
+    "use_kernels",
 ]  # fmt: skip
 
 
@@ -49,6 +54,27 @@ def cdiv(a: int, b: int) -> int:
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (sizes persistent grids)."""
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def sigmoid(x):
+        """``1 / (1 + 2^(-x·log2(e)))`` in fp32: the SwiGLU kernels' sigmoid, one helper so that
+        fused and unfused kernels round alike.
+
+        ``tl.sigmoid`` lowers to ``ex2.approx.f32`` and ``div.full.f32``, whose range checks
+        cost 38 instructions per element in the fused SwiGLU + quantization forward against
+        31 here (sm_90 SASS). This uses the flush-to-zero ``ex2`` (``tl.exp2``) and
+        ``div.approx`` (``fast_dividef``). On the H200 it equals ``tl.sigmoid`` bit for bit
+        wherever ``1 + 2^(-x·log2(e)) < 2^126``, i.e. for x above -87.3: below that
+        ``div.approx`` returns 0 where ``div.full`` returns the denormal ``1 / (1 + e^-x)``.
+        The fused forward ([98304, 1408] bf16) ran 281 against 304 us with it.
+        """
+        return libdevice.fast_dividef(1.0, 1.0 + tl.exp2(x * -1.4426950408889634))
+
+else:  # pragma: no cover
+    sigmoid = None
 
 
 @cache
@@ -91,9 +117,13 @@ def _run_interpreted(kernel, grid, args, kwargs) -> None:
     jit_cls.__call__ = lambda self, *a, **k: _interpreted(self.fn)(*a, **k)
     interpreter._patch_lang_tensor = _patch_tensor_index(saved_patch)
     scope_cls.set_attr = set_attr
+    # The interpreter runs no extern (libdevice) calls: the fast division is a division.
+    saved_dividef = libdevice.fast_dividef
+    libdevice.fast_dividef = lambda x, y: x / y
     try:
         _interpreted(kernel.fn)[grid](*args, **kwargs)
     finally:
+        libdevice.fast_dividef = saved_dividef
         jit_cls.__call__ = saved_call
         interpreter._patch_lang_tensor = saved_patch
         scope_cls.set_attr = saved_set_attr

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from mt_ops._dtypes import KERNEL_DTYPES
-from mt_ops._triton import cdiv, launch, tl, triton, use_kernels
+from mt_ops._triton import cdiv, launch, sigmoid, tl, triton, use_kernels
 from mt_ops.clamped_swiglu import clamped_swiglu
 
 __all__ = ["clamped_swiglu_fused"]
@@ -33,7 +33,7 @@ def _clamped_swiglu_fwd_kernel(gu_ptr, out_ptr, n, alpha, limit, BLOCK: tl.const
     g = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL)
     u = tl.minimum(tl.maximum(u, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
                    propagate_nan=tl.PropagateNan.ALL)  # fmt: skip
-    out = (u + 1.0) * g * tl.sigmoid(alpha * g)
+    out = (u + 1.0) * g * sigmoid(alpha * g)
     tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -47,7 +47,7 @@ def _clamped_swiglu_bwd_kernel(grad_ptr, gu_ptr, dgu_ptr, n, alpha, limit, BLOCK
     g = tl.minimum(g_in, limit, propagate_nan=tl.PropagateNan.ALL)
     u = tl.minimum(tl.maximum(u_in, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
                    propagate_nan=tl.PropagateNan.ALL)  # fmt: skip
-    sig = tl.sigmoid(alpha * g)
+    sig = sigmoid(alpha * g)
     glu = g * sig
     # clamp passes the gradient where its input lies inside the bounds (inclusive).
     d_up = tl.where((u_in >= -limit) & (u_in <= limit), dout * glu, 0.0)

@@ -23,7 +23,7 @@ On GPU the fused kernels equal ``quantize_1x128_dual(swiglu(gate, up))`` bit for
 import torch
 from torch import Tensor
 
-from mt_ops._triton import cdiv, launch, tl, triton, use_kernels
+from mt_ops._triton import cdiv, launch, sigmoid, tl, triton, use_kernels
 from mt_ops.fp8_quant import (
     BLOCK,
     QUANT_CONFIG,
@@ -94,7 +94,7 @@ def _swiglu_quant_fwd_kernel(
     mask = row_ok[:, None] & col_ok[None, :]
     g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    h = g * tl.sigmoid(g) * u  # as mt_ops.swiglu's kernel, then rounded to the input dtype
+    h = g * sigmoid(g) * u  # as mt_ops.swiglu's kernel, then rounded to the input dtype
     h = h.to(gate_ptr.dtype.element_ty).to(tl.float32)
     _quantize_store_dual(
         h, rows64, row_ok, cols, col_ok, pid_m, pid_k, q_ptr, s_ptr, qt_ptr, st_ptr,
@@ -119,7 +119,7 @@ def _swiglu_quant_bwd_kernel(
     dout = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(g)
+    sig = sigmoid(g)
     # The same expressions as mt_ops.swiglu's backward kernel, rounded to the input dtype.
     dgate = dout * u * sig * (1.0 + g * (1.0 - sig))
     dgate = dgate.to(gate_ptr.dtype.element_ty).to(tl.float32)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mt_ops._dtypes import KERNEL_DTYPES, compute_dtype
-from mt_ops._triton import cdiv, launch, tl, triton, use_kernels
+from mt_ops._triton import cdiv, launch, sigmoid, tl, triton, use_kernels
 
 __all__ = ["swiglu", "swiglu_reference"]
 
@@ -31,7 +31,7 @@ def _swiglu_fwd_kernel(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr):
     ok = offs < n
     g = tl.load(gate_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    out = g * tl.sigmoid(g) * u
+    out = g * sigmoid(g) * u
     tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -42,7 +42,7 @@ def _swiglu_bwd_kernel(grad_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, n, BLOCK:
     dout = tl.load(grad_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     g = tl.load(gate_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(g)
+    sig = sigmoid(g)
     silu = g * sig
     dgate = dout * u * sig * (1.0 + g * (1.0 - sig))  # d silu/dg = σ(1 + g(1 − σ))
     tl.store(dgate_ptr + offs, dgate.to(dgate_ptr.dtype.element_ty), mask=ok)
