@@ -77,6 +77,25 @@ gradients; bit-exact, no spills in the K loop): 1358 us against 511 + 320, the M
 6.93 against 6.72 ms (Qwen3: 933 against 360 + 232, 5.54 against 5.39). Every SM loads
 and stores its tile's 256 KB at the same point of its tile, in bursts, while its tensor
 cores wait; the separate pass streams the same bytes at full bandwidth.
+What bounds these kernels (2026-12-01, H200, DeepSeek-V2-Lite shapes, balanced): the
+operands' trip from L2. With either operand's TMA load left out of every K step (the same
+products on stale shared memory), the down projection's fprop took 456 us (B left out) or
+453 (A left out) against 597, 1250 against 950 TFLOP/s; the gate wgrad 568 / 565 against
+667. At the kept rate a program's K step brings 48 KB for 8.4 MFLOP, ~5.4 TB/s from L2
+over the GPU; dropping 16 or 32 KB of it gives the same ~1250 TFLOP/s, the products and
+promotions' own rate at the power-capped clocks. The lever is TMA multicast across a
+cluster of two programs sharing an operand (each loads half of it for both), which
+halves that operand's L2 reads; Triton 3.6's Gluon exposes no multicast TMA load (its
+lowering reports "NYI: Support multicast").
+Wgrad's column scales (B's, 32 per thread) are what separates it from fprop: the gate
+wgrad took 559 us with A's row scales only and 525 with none, against 667 (wrong results,
+timing only); 605 with a second multiply but no column-scale loads, 609 with the loads and
+one multiply. Measured and not kept, all bit-exact: the column scales loaded while the
+first product runs and held through both (240 registers per consumer, 24 for the loader,
+no spills) 688 us; that and the stage released before the second promotion 691;
+double-buffered [64, 64] products so that a warpgroup promotes one while the next runs
+737; the two warpgroups' products put in turn by an mbarrier pair, each issued once the
+other's was issued 691, once the other's had finished 766.
 E8M0 scales take the Triton kernels: a build of these kernels reading E8M0 exponents
 stopped the H200 with an illegal instruction, not investigated for lack of device time.
 

@@ -76,6 +76,10 @@ DualQuantized = tuple[Fp8Quantized, Fp8Quantized]
 # The forward at 16 warps (H200, alone, balanced expert tiles, bit-exact): 350 us against
 # 306 at 8 and 383 at 4 ([98304, 1408]); 267 against 233 and 293 ([131072, 768]); the MLP
 # step 6.73 against 6.70 ms and 5.38 against 5.35 (five alternating rounds).
+# A persistent forward (one or two programs per SM walking the tiles, its loads software-
+# pipelined by tl.range's num_stages into cp.async; bit-exact) ran 458-1030 us against 282
+# for this kernel ([98304, 1408]; 346-790 against 215 for [131072, 768]): the loop raised
+# the registers to 168 at 8 warps, leaving too few warps per SM to hide the loads.
 SWIGLU_QUANT_CONFIG = {"fwd_warps": 8, "bwd_warps": 16, "bwd_fused": False}
 
 
