@@ -185,10 +185,10 @@ def test_swiglu_kernels_compile_their_sigmoid_to_the_fast_instructions(compiled,
     monkeypatch.setattr(swiglu, "launch", compile_only)
     monkeypatch.setattr(fp8_swiglu, "launch", compile_only)
     gate = torch.zeros(256, 384, dtype=torch.bfloat16)
-    swiglu._swiglu_fwd(gate, gate)
-    swiglu._swiglu_bwd(gate, gate, gate)
-    fp8_swiglu._launch_fwd(gate, gate, row_tiles(torch.tensor([200, 56]), 256), "fp32")
-    try:
+    try:  # the caches are cleared even when a later compile fails
+        swiglu._swiglu_fwd(gate, gate)
+        swiglu._swiglu_bwd(gate, gate, gate)
+        fp8_swiglu._launch_fwd(gate, gate, row_tiles(torch.tensor([200, 56]), 256), "fp32")
         assert len(kernels) == 3
         for kernel, binary in kernels:
             ptx = binary.asm["ptx"]
